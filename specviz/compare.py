@@ -1,0 +1,109 @@
+"""Run target-only and every verification mode on one input and seed, and tabulate them side by side."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .config import MODES, SpecConfig
+from .engine import run_speculative, run_target_only
+from .models import ModelPair
+from .trace import Trace
+
+
+@dataclass
+class Row:
+    name: str
+    tokens_per_s: float
+    speedup: float  # over target-only, same input and seed
+    alpha: float | None
+    tokens_per_iteration: float | None
+    median_verify_ms: float | None
+    equals_target_only: bool
+    new_tokens: int
+    total_s: float
+    output_text: str
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _row(name: str, trace: Trace, reference: Trace) -> Row:
+    s = trace.summary()
+    return Row(
+        name=name,
+        tokens_per_s=trace.tokens_per_s,
+        speedup=trace.tokens_per_s / reference.tokens_per_s if reference.tokens_per_s else 0.0,
+        alpha=s.get("alpha"),
+        tokens_per_iteration=s.get("tokens_per_iteration"),
+        median_verify_ms=s.get("median_verify_ms"),
+        equals_target_only=trace.output_ids == reference.output_ids,
+        new_tokens=trace.new_tokens,
+        total_s=trace.total_s,
+        output_text=trace.output_text,
+    )
+
+
+@torch.inference_mode()
+def run_hf_assisted(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig, confidence_threshold: float) -> Trace:
+    """transformers' generate(assistant_model=...) on the same pair, γ start and schedule, timed like ours."""
+    assistant_config = copy.deepcopy(pair.draft.generation_config)
+    gc = pair.draft.generation_config
+    gc.num_assistant_tokens = cfg.gamma_init or 5
+    gc.num_assistant_tokens_schedule = "heuristic" if cfg.gamma_policy == "hf" else "constant"
+    gc.assistant_confidence_threshold = confidence_threshold
+    sampling = cfg.sampling
+    kwargs = dict(do_sample=False) if sampling.greedy else dict(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    input_ids = torch.tensor([prompt_ids], device=pair.device)
+    torch.manual_seed(cfg.seed)
+    try:
+        t0 = time.perf_counter()
+        out = pair.target.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=pair.draft,
+            max_new_tokens=cfg.max_new_tokens, min_new_tokens=0, **kwargs,
+        )
+        if pair.device.type == "cuda":
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    finally:
+        pair.draft.generation_config = assistant_config
+    new = out[0, len(prompt_ids):].tolist()
+    return Trace(
+        meta={"mode": "hf-assisted", "confidence_threshold": confidence_threshold},
+        prompt_ids=list(prompt_ids), output_ids=new,
+        output_text=pair.tokenizer.decode(new, skip_special_tokens=True), total_s=total,
+    )
+
+
+def compare(
+    pair: ModelPair,
+    prompt_ids: list[int],
+    cfg: SpecConfig,
+    *,
+    modes: tuple[str, ...] = MODES,
+    hf_assisted: bool = False,
+    on_stage: Callable[[str], None] | None = None,
+) -> tuple[list[Row], dict[str, Trace]]:
+    """Target-only, then each mode (and optionally transformers' assisted generation), same input and seed."""
+    stage = on_stage or (lambda name: None)
+    stage("target-only")
+    reference = run_target_only(pair, prompt_ids, cfg)
+    traces = {"target-only": reference}
+    rows = [_row("target-only", reference, reference)]
+    for mode in modes:
+        stage(mode)
+        trace = run_speculative(pair, prompt_ids, SpecConfig(**{**cfg.__dict__, "mode": mode}))
+        traces[mode] = trace
+        rows.append(_row(mode, trace, reference))
+    if hf_assisted:
+        for threshold, name in ((0.0, "hf-assisted"), (0.4, "hf-assisted (confidence 0.4)")):
+            stage(name)
+            trace = run_hf_assisted(pair, prompt_ids, cfg, threshold)
+            traces[name] = trace
+            rows.append(_row(name, trace, reference))
+    return rows, traces

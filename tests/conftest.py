@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random Qwen2 models with the real 151,936-token vocabulary, built from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from specviz.models import ModelPair
+
+VOCAB = 151_936
+EOS = VOCAB - 1
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real: runs the embedded real model pair (slow: converts it on first use)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def word_tokenizer(vocab_size: int = VOCAB, prefix: str = "w") -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose token i is the word f'{prefix}{i}'; the last id is EOS."""
+    vocab = {f"{prefix}{i}": i for i in range(vocab_size - 1)}
+    vocab["<eos>"] = vocab_size - 1
+    tok = Tokenizer(WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<eos>")
+
+
+def tiny_qwen(seed: int, layers: int = 2, vocab_size: int = VOCAB) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, eos_token_id=vocab_size - 1, initializer_range=0.2,
+    )
+    return Qwen2ForCausalLM(config).float().eval()
+
+
+def perturbed_copy(model: Qwen2ForCausalLM, noise: float, seed: int) -> Qwen2ForCausalLM:
+    """The same architecture with every weight jittered: a draft that agrees often but not always."""
+    draft = Qwen2ForCausalLM(model.config).float().eval()
+    draft.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
+    return draft
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return word_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tokenizer) -> ModelPair:
+    target = tiny_qwen(0)
+    draft = perturbed_copy(target, noise=0.03, seed=1)
+    return ModelPair(draft, target, tokenizer, "tiny-draft", "tiny-target", VOCAB)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids() -> list[int]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, VOCAB - 1, (12,), generator=g).tolist()

@@ -1,0 +1,116 @@
+"""Bad input gets a clear message: empty or huge text, NaN logits, bad settings, CLI errors."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from specviz import cli, verify
+from specviz.config import SamplingConfig, SpecConfig
+from specviz.engine import run_speculative, run_target_only
+from specviz.models import ModelPair
+from specviz.prompts import InputError, max_prompt_tokens, sample_article, summarization_prompt
+from specviz.sampling import InvalidLogitsError
+
+from conftest import VOCAB, tiny_qwen
+
+
+def test_empty_article(tokenizer):
+    for text in ("", "   \n\t "):
+        with pytest.raises(InputError, match="empty"):
+            summarization_prompt(tokenizer, text, 1000)
+
+
+def test_huge_article_is_refused_with_sizes(tokenizer):
+    article = " ".join(f"w{i % 5000}" for i in range(3000))
+    with pytest.raises(InputError, match=r"too long: its prompt is 3,\d{3} tokens .* at most 2,000"):
+        summarization_prompt(tokenizer, article, 2000)
+    assert max_prompt_tokens(32768, 128) == 16384 - 128
+
+
+def test_sample_article_is_bundled():
+    assert len(sample_article().split()) > 200
+
+
+@pytest.mark.parametrize("mode", ["baseline", "exact", "sigmoid"])
+@pytest.mark.parametrize("bad, what", [(float("nan"), "NaN"), (float("inf"), r"\+inf")])
+def test_nan_and_inf_logits_are_named(mode, bad, what):
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randn(2, 3, 50, generator=g)
+    target = torch.randn(2, 4, 50, generator=g)
+    target[1, 2, 17] = bad
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(InvalidLogitsError, match=rf"target logits contain {what} at index \[1, 2\]"):
+        verify(mode, tokens, draft, target, SamplingConfig(temperature=1.0), g)
+
+
+def test_all_masked_row_is_refused():
+    draft = torch.randn(1, 2, 10)
+    draft[0, 1] = float("-inf")
+    with pytest.raises(InvalidLogitsError, match="only -inf"):
+        verify("exact", torch.zeros(1, 2, dtype=torch.long), draft, torch.randn(1, 3, 10))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(draft_tokens=torch.zeros(1, 3)), "LongTensor"),
+        (dict(target_logits=torch.randn(1, 3, 10)), "target_logits must be"),
+        (dict(draft_logits=torch.randn(1, 3, 11)), "draft_logits must be|vocabularies differ"),
+        (dict(draft_tokens=torch.full((1, 3), 10, dtype=torch.long)), r"lie in \[0, 10\)"),
+        (dict(mode="fast"), "unknown verification mode"),
+    ],
+)
+def test_verify_argument_errors(kwargs, message):
+    args = dict(mode="exact", draft_tokens=torch.zeros(1, 3, dtype=torch.long),
+                draft_logits=torch.randn(1, 3, 10), target_logits=torch.randn(1, 4, 10))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        verify(args.pop("mode"), **args)
+
+
+def test_model_emitting_nan_stops_with_message(tokenizer):
+    """A broken target (NaN weights) is reported as such, in the loop and in the reference."""
+    target = tiny_qwen(0)
+    with torch.no_grad():
+        target.lm_head.weight[5, 0] = float("nan")
+    draft = tiny_qwen(1)
+    pair = ModelPair(draft, target, tokenizer, "ok", "broken", VOCAB)
+    with pytest.raises(InvalidLogitsError, match="target logits contain NaN"):
+        run_speculative(pair, [1, 2, 3], SpecConfig(max_new_tokens=5))
+    with pytest.raises(InvalidLogitsError, match="target logits contain NaN"):
+        run_target_only(pair, [1, 2, 3], SpecConfig(max_new_tokens=5))
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        (lambda: SamplingConfig(temperature=-1), "temperature"),
+        (lambda: SamplingConfig(top_p=0), "top_p"),
+        (lambda: SpecConfig(mode="nope"), "unknown verification mode"),
+        (lambda: SpecConfig(gamma_policy="nope"), "unknown γ policy"),
+        (lambda: SpecConfig(lenience=0), "lenience"),
+        (lambda: SpecConfig(sigmoid_alpha=1, sigmoid_beta=-1), "α"),
+        (lambda: SpecConfig(max_new_tokens=0), "max_new_tokens"),
+    ],
+)
+def test_bad_settings(factory, message):
+    with pytest.raises(ValueError, match=message):
+        factory()
+
+
+def test_cli_empty_stdin_fails_fast(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    assert cli.main(["generate", "-"]) == 2
+    assert "article is empty" in capsys.readouterr().err
+
+
+def test_cli_missing_and_binary_files(tmp_path, capsys):
+    assert cli.main(["compare", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    binary = tmp_path / "a.bin"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
+    assert cli.main(["generate", str(binary)]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err

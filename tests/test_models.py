@@ -1,0 +1,92 @@
+"""Model loading: local directories, vocabulary checks, the embedded GGUF assembly, clear failures."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from specviz import models
+from specviz.models import EmbeddedGGUF, ModelLoadError, assemble_gguf, cache_dir, load_pair
+
+from conftest import tiny_qwen, word_tokenizer
+
+SMALL_V = 1000
+HEAD_ROWS = 1024  # padded output heads, as the real Qwen pair has (151,936 rows for 151,665 tokens)
+
+
+@pytest.fixture(scope="module")
+def saved_dirs(tmp_path_factory):
+    """Two tiny models sharing a tokenizer, and a third whose tokenizer differs, saved as local dirs."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, seed, prefix in (("draft", 1, "w"), ("target", 2, "w"), ("alien", 3, "x")):
+        path = root / name
+        tiny_qwen(seed, vocab_size=HEAD_ROWS).save_pretrained(path)
+        word_tokenizer(SMALL_V, prefix).save_pretrained(path)
+        out[name] = str(path)
+    return out
+
+
+def test_local_directories_load_as_a_pair(saved_dirs):
+    pair = load_pair(saved_dirs["draft"], saved_dirs["target"], device="cpu")
+    assert pair.vocab_size == HEAD_ROWS
+    assert pair.dtype == torch.bfloat16  # the CPU default
+    assert pair.device.type == "cpu"
+    pair32 = load_pair(saved_dirs["draft"], saved_dirs["target"], device="cpu", dtype="fp32")
+    assert pair32.dtype == torch.float32
+
+
+def test_mismatched_vocabularies_are_refused_naming_both(saved_dirs):
+    with pytest.raises(ModelLoadError) as err:
+        load_pair(saved_dirs["alien"], saved_dirs["target"], device="cpu")
+    message = str(err.value)
+    assert "vocabularies differ" in message
+    assert saved_dirs["alien"] in message and saved_dirs["target"] in message
+
+
+def test_unloadable_model_names_role_and_id():
+    with pytest.raises(ModelLoadError, match=r"draft model '/no/such/model'"):
+        load_pair("/no/such/model", "/no/such/target", device="cpu")
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown dtype"):
+        models.parse_dtype("int3")
+
+
+def test_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c"
+
+
+def _fake_parts(tmp_path, chunks: list[bytes]):
+    paths = []
+    for i, chunk in enumerate(chunks):
+        p = tmp_path / f"part{i}.bin"
+        p.write_bytes(chunk)
+        paths.append(p)
+    return paths
+
+
+def test_assembly_checks_size_and_hash(tmp_path, monkeypatch):
+    chunks = [b"GGUF" + bytes(range(200)), bytes(1000), b"tail"]
+    whole = b"".join(chunks)
+    monkeypatch.setattr(models, "_part_paths", lambda spec: _fake_parts(tmp_path, chunks))
+    good = EmbeddedGGUF("fake", ("a", "b", "c"), "fake.gguf", len(whole), hashlib.sha256(whole).hexdigest())
+    seen = []
+    out = assemble_gguf(good, tmp_path, progress=lambda m, f: seen.append(f))
+    assert out.read_bytes() == whole
+    assert seen[-1] == pytest.approx(1.0)
+
+    bad = EmbeddedGGUF("fake", ("a", "b", "c"), "fake.gguf", len(whole), "0" * 64)
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        assemble_gguf(bad, tmp_path)
+    assert not (tmp_path / "fake.gguf").exists()  # a bad file is not left behind for a later load
+
+
+def test_missing_part_package_names_it(monkeypatch):
+    spec = EmbeddedGGUF("fake", ("specviz_no_such_part_pkg",), "x.gguf", 1, "0" * 64)
+    with pytest.raises(ModelLoadError, match="specviz-no-such-part-pkg"):
+        models._part_paths(spec)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -35,33 +35,50 @@ class Stopwatch:
         return time.perf_counter()
 
 
+class Decoder(Protocol):
+    """One model's side of the loop: feeds tokens after what its KV cache holds, and rolls the cache back."""
+
+    def length(self) -> int: ...
+
+    def forward(self, ids: list[int], keep: int) -> torch.Tensor: ...  # logits [keep, V]
+
+    def crop(self, length: int) -> None: ...
+
+
+class CausalLMDecoder:
+    """A decoder-only transformers model with a DynamicCache."""
+
+    def __init__(self, model, vocab: int):
+        self.model, self.vocab, self.cache = model, vocab, DynamicCache()
+
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(self, ids: list[int], keep: int) -> torch.Tensor:
+        input_ids = torch.tensor([ids], device=self.model.device)
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0, -keep:, : self.vocab]
+
+    def crop(self, length: int) -> None:
+        extra = self.length() - length
+        if extra > 0:
+            self.cache.crop(-extra)  # transformers 5 takes the number of tokens to drop, as a negative int
+
+
 @dataclass
 class DecodeState:
     tokens: list[int]  # prompt followed by everything generated so far
     prompt_len: int
-    draft_cache: DynamicCache
-    target_cache: DynamicCache
+    draft: Decoder
+    target: Decoder
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
-
-def _forward(model, cache: DynamicCache, ids: list[int], keep: int, vocab: int) -> torch.Tensor:
-    """Feed ids after what the cache holds; return logits [keep, vocab] for the last `keep` positions."""
-    input_ids = torch.tensor([ids], device=model.device)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-    return out.logits[0, -keep:, :vocab]
-
-
-def _feed(state: DecodeState, cache: DynamicCache) -> list[int]:
-    return state.tokens[cache.get_seq_length():]
-
-
-def _crop_to(cache: DynamicCache, length: int) -> None:
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)  # transformers 5 takes the number of tokens to drop, as a negative int
+    def pending(self, decoder: Decoder) -> list[int]:
+        """The tokens this decoder has not seen yet."""
+        return self.tokens[decoder.length():]
 
 
 @torch.inference_mode()
@@ -70,26 +87,34 @@ def prefill(pair: ModelPair, prompt_ids: list[int], *, with_draft: bool = True) 
     if len(prompt_ids) < 1:
         raise ValueError("the prompt is empty")
     clock = Stopwatch(pair.device)
-    state = DecodeState(list(prompt_ids), len(prompt_ids), DynamicCache(), DynamicCache())
+    state = DecodeState(list(prompt_ids), len(prompt_ids), CausalLMDecoder(pair.draft, pair.vocab_size),
+                        CausalLMDecoder(pair.target, pair.vocab_size))
     t0 = clock.now()
     if len(prompt_ids) > 1:
-        _forward(pair.target, state.target_cache, prompt_ids[:-1], 1, pair.vocab_size)
+        state.target.forward(prompt_ids[:-1], 1)
         if with_draft:
-            _forward(pair.draft, state.draft_cache, prompt_ids[:-1], 1, pair.vocab_size)
+            state.draft.forward(prompt_ids[:-1], 1)
     return state, clock.now() - t0
 
 
-def _eos_ids(pair: ModelPair) -> set[int]:
+@dataclass(frozen=True)
+class Vocabulary:
+    """What the loop needs to know about tokens: how to show them and which end the output."""
+
+    decode: Callable[[list[int]], str]
+    eos: frozenset[int]
+
+
+def text_vocabulary(pair: ModelPair) -> Vocabulary:
     ids = set()
-    for model in (pair.target,):
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    eos = pair.target.generation_config.eos_token_id if pair.target.generation_config else None
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if pair.tokenizer.eos_token_id is not None:
         ids.add(pair.tokenizer.eos_token_id)
-    return ids
+    return Vocabulary(lambda t: pair.tokenizer.decode(t), frozenset(ids))
 
 
-def _limit(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
+def _limit(tokens: list[int], budget: int, eos: frozenset[int]) -> tuple[list[int], bool]:
     """Cut tokens at the first EOS (kept) and at the budget; report whether an EOS ended them."""
     for i, t in enumerate(tokens[:budget]):
         if t in eos:
@@ -98,13 +123,13 @@ def _limit(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bo
 
 
 @torch.inference_mode()
-def speculate(pair: ModelPair, state: DecodeState, cfg: SpecConfig) -> Iterator[IterationRecord]:
+def speculate(
+    state: DecodeState, cfg: SpecConfig, vocab: Vocabulary, device: torch.device
+) -> Iterator[IterationRecord]:
     """Run speculative iterations until EOS or cfg.max_new_tokens, yielding each as it completes."""
-    device, vocab, tok = pair.device, pair.vocab_size, pair.tokenizer
     clock = Stopwatch(device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     policy = make_policy(cfg.gamma_policy, cfg.gamma_init)
-    eos = _eos_ids(pair)
     index = 0
     while len(state.generated) < cfg.max_new_tokens:
         budget = cfg.max_new_tokens - len(state.generated)
@@ -113,16 +138,16 @@ def speculate(pair: ModelPair, state: DecodeState, cfg: SpecConfig) -> Iterator[
         t0 = clock.now()
         draft_ids: list[int] = []
         draft_logits = []
-        feed = _feed(state, state.draft_cache)
+        feed = state.pending(state.draft)
         for _ in range(gamma):
-            z = _forward(pair.draft, state.draft_cache, feed, 1, vocab)[0]
+            z = state.draft.forward(feed, 1)[0]
             check_logits(z, "draft")
             x = int(draw(z, cfg.sampling, generator))
             draft_ids.append(x)
             draft_logits.append(z)
             feed = [x]
         t1 = clock.now()
-        target_logits = _forward(pair.target, state.target_cache, _feed(state, state.target_cache) + draft_ids, gamma + 1, vocab)
+        target_logits = state.target.forward(state.pending(state.target) + draft_ids, gamma + 1)
         t2 = clock.now()
         result = verify(
             cfg.mode, torch.tensor([draft_ids], device=device), torch.stack(draft_logits)[None], target_logits[None],
@@ -132,9 +157,9 @@ def speculate(pair: ModelPair, state: DecodeState, cfg: SpecConfig) -> Iterator[
         t3 = clock.now()
 
         kept = len(state.tokens) + n  # both caches may keep the context plus the accepted drafts
-        _crop_to(state.target_cache, kept)
-        _crop_to(state.draft_cache, kept)
-        emitted, hit_eos = _limit(draft_ids[:n] + [next_id], budget, eos)
+        state.target.crop(kept)
+        state.draft.crop(kept)
+        emitted, hit_eos = _limit(draft_ids[:n] + [next_id], budget, vocab.eos)
         state.tokens.extend(emitted)
 
         accept_prob = result.accept_prob[0].tolist()
@@ -143,7 +168,7 @@ def speculate(pair: ModelPair, state: DecodeState, cfg: SpecConfig) -> Iterator[
             index=index,
             gamma=gamma,
             draft_ids=draft_ids,
-            draft_text=[tok.decode([i]) for i in draft_ids],
+            draft_text=[vocab.decode([i]) for i in draft_ids],
             q=result.q_draft[0].tolist(),
             p=result.p_draft[0].tolist(),
             accept_prob=accept_prob,
@@ -151,7 +176,7 @@ def speculate(pair: ModelPair, state: DecodeState, cfg: SpecConfig) -> Iterator[
             outcome=[ACCEPTED] * n + ([REJECTED] if n < gamma else []) + [DISCARDED] * max(0, gamma - n - 1),
             n_accepted=n,
             next_id=next_id,
-            next_text=tok.decode([next_id]),
+            next_text=vocab.decode([next_id]),
             next_kind=BONUS if n == gamma else RESAMPLED,
             emitted=len(emitted),
             draft_s=t1 - t0,
@@ -164,17 +189,16 @@ def speculate(pair: ModelPair, state: DecodeState, cfg: SpecConfig) -> Iterator[
 
 
 @torch.inference_mode()
-def autoregressive(pair: ModelPair, state: DecodeState, cfg: SpecConfig) -> Iterator[int]:
+def autoregressive(state: DecodeState, cfg: SpecConfig, vocab: Vocabulary, device: torch.device) -> Iterator[int]:
     """Target-only reference on the same stack and sampling: yields each new token."""
-    generator = torch.Generator(device=pair.device).manual_seed(cfg.seed)
-    eos = _eos_ids(pair)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
     while len(state.generated) < cfg.max_new_tokens:
-        z = _forward(pair.target, state.target_cache, _feed(state, state.target_cache), 1, pair.vocab_size)[0]
+        z = state.target.forward(state.pending(state.target), 1)[0]
         check_logits(z, "target")
         x = int(draw(z, cfg.sampling, generator))
         state.tokens.append(x)
         yield x
-        if x in eos:
+        if x in vocab.eos:
             break
 
 
@@ -203,7 +227,7 @@ def run_speculative(
     state, prefill_s = prefill(pair, prompt_ids)
     trace = Trace(meta={**_meta(pair, cfg, cfg.mode), **(meta or {})}, prompt_ids=list(prompt_ids),
                   output_ids=[], output_text="", prefill_s=prefill_s)
-    for record in speculate(pair, state, cfg):
+    for record in speculate(state, cfg, text_vocabulary(pair), pair.device):
         trace.iterations.append(record)
         trace.output_ids = list(state.generated)
         trace.total_s = clock.now() - t0
@@ -226,7 +250,7 @@ def run_target_only(
     clock = Stopwatch(pair.device)
     t0 = clock.now()
     state, prefill_s = prefill(pair, prompt_ids, with_draft=False)
-    for x in autoregressive(pair, state, cfg):
+    for x in autoregressive(state, cfg, text_vocabulary(pair), pair.device):
         if on_token:
             on_token(x)
     total = clock.now() - t0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specviz.config import GAMMA_POLICIES, SamplingConfig, SpecConfig
-from specviz.engine import prefill, run_speculative, run_target_only, speculate
+from specviz.engine import prefill, run_speculative, run_target_only, speculate, text_vocabulary
 from specviz.models import ModelPair
 from specviz.trace import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED
 
@@ -44,9 +44,10 @@ def test_greedy_equality_at_several_gammas(tiny_pair, prompt_ids, reference, gam
 def test_caches_hold_exactly_the_context(tiny_pair, prompt_ids):
     """After every iteration both caches cover a prefix of the tokens, and the target's all but the last."""
     state, _ = prefill(tiny_pair, prompt_ids)
-    for record in speculate(tiny_pair, state, SpecConfig(mode="exact", gamma_policy="constant", gamma_init=4, max_new_tokens=30)):
-        t_len = state.target_cache.get_seq_length()
-        d_len = state.draft_cache.get_seq_length()
+    cfg = SpecConfig(mode="exact", gamma_policy="constant", gamma_init=4, max_new_tokens=30)
+    for record in speculate(state, cfg, text_vocabulary(tiny_pair), tiny_pair.device):
+        t_len = state.target.length()
+        d_len = state.draft.length()
         assert t_len == len(state.tokens) - 1
         assert len(state.tokens) - 2 <= d_len <= len(state.tokens) - 1  # -2 after a bonus: x_γ was never fed
         assert d_len == len(state.tokens) - (2 if record.next_kind == BONUS else 1)

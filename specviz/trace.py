@@ -45,6 +45,7 @@ class IterationRecord:
     draft_s: float
     target_s: float
     verify_s: float
+    window: int = 0  # speech: which 30 s audio window this iteration decoded
 
 
 @dataclass

@@ -10,7 +10,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import machine
-from .compare import compare
+from .audio import AudioError, load_audio
+from .compare import compare, hf_assisted_runs, text_runner
 from .config import GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig
 from .engine import run_speculative
 from .models import DEFAULT, ModelLoadError, ModelPair, load_pair
@@ -43,14 +44,22 @@ class _LoadProgress:
             self.bar = None
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, audio: bool = False) -> None:
     src = p.add_argument_group("input")
-    src.add_argument("input", nargs="?", help="article file to summarize, '-' for stdin; default: the bundled sample")
+    if audio and p.prog.endswith("transcribe"):
+        src.add_argument("input", help="audio file (WAV, FLAC, OGG, MP3, ... anything libsndfile reads)")
+    else:
+        src.add_argument("input", nargs="?", help="article file to summarize ('-' for stdin)"
+                         + (" or an audio file to transcribe" if audio else "") + "; default: the bundled sample article")
     src.add_argument("--max-new-tokens", type=int, default=128)
+    if audio:
+        src.add_argument("--language", default="en", help="spoken language for a multilingual Whisper (default en)")
     m = p.add_argument_group("models")
-    m.add_argument("--draft", default=DEFAULT, help="hub id, local directory, .gguf file, or 'default' (embedded)")
+    m.add_argument("--draft", default=DEFAULT, help="hub id, local directory, .gguf file, or 'default' (embedded); "
+                   "speech also takes 'layers:0,1,2,4,5' (a draft made of the target's own decoder layers)")
     m.add_argument("--target", default=DEFAULT, help="hub id, local directory, .gguf file, or 'default' (embedded)")
-    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    m.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                   help="default: bf16 for the text pair, fp32 for Whisper")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     s = p.add_argument_group("sampling (applied identically to draft and target)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -61,11 +70,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     v.add_argument("--gamma-policy", default="hf", choices=GAMMA_POLICIES)
     v.add_argument("--gamma", type=int, default=None, help="initial γ (default: the policy's own)")
     v.add_argument("--lenience", type=float, default=1.0, help="Leviathan A.5; 1 = exact")
-    v.add_argument("--sigmoid-alpha", type=float, default=-1e4)
-    v.add_argument("--sigmoid-beta", type=float, default=1e4)
+    v.add_argument("--sigmoid-alpha", type=float, default=None, help="default: -1e4 for text, -1e3 for speech")
+    v.add_argument("--sigmoid-beta", type=float, default=None, help="default: 1e4 for text, 1e3 for speech")
 
 
-def _config(args: argparse.Namespace, mode: str) -> SpecConfig:
+def _config(args: argparse.Namespace, mode: str, speech: bool = False) -> SpecConfig:
+    """Settings from the command line; sigmoid α/β default to Wagner et al.'s value for the task."""
+    scale = 1e3 if speech else 1e4
     return SpecConfig(
         mode=mode,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
@@ -74,8 +85,8 @@ def _config(args: argparse.Namespace, mode: str) -> SpecConfig:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         lenience=args.lenience,
-        sigmoid_alpha=args.sigmoid_alpha,
-        sigmoid_beta=args.sigmoid_beta,
+        sigmoid_alpha=-scale if args.sigmoid_alpha is None else args.sigmoid_alpha,
+        sigmoid_beta=scale if args.sigmoid_beta is None else args.sigmoid_beta,
     )
 
 
@@ -104,7 +115,7 @@ def _checked_article(arg: str | None) -> str:
 def _load(args: argparse.Namespace) -> ModelPair:
     progress = _LoadProgress()
     try:
-        return load_pair(args.draft, args.target, device=args.device, dtype=args.dtype, progress=progress)
+        return load_pair(args.draft, args.target, device=args.device, dtype=args.dtype or "bf16", progress=progress)
     finally:
         progress.close()
 
@@ -138,36 +149,95 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au", ".caf", ".w64", ".rf64"}
+
+
+def _is_audio(arg: str | None) -> bool:
+    return arg is not None and Path(arg).suffix.lower() in AUDIO_SUFFIXES
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    cfg = _config(args, "exact")
-    article = _checked_article(args.input)
-    pair = _load(args)
-    prompt_ids = _prompt(args, pair, article)
-    with tqdm(desc="compare", unit="run", file=sys.stderr, total=4 + 2 * args.hf_assisted) as bar:
+    cfg = _config(args, "exact", speech=_is_audio(args.input))
+    if _is_audio(args.input):
+        from .asr import load_speech_pair, transcribe
+
+        audio = load_audio(args.input)
+        pair = _load_speech(args)
+        run = lambda c, target_only: transcribe(pair, audio, c, language=args.language, target_only=target_only)  # noqa: E731
+        extra = {}
+        if args.hf_assisted:
+            raise InputError("--hf-assisted compares text generation only")
+        names = f"{pair.draft_name} → {pair.target_name}"
+    else:
+        article = _checked_article(args.input)
+        pair = _load(args)
+        prompt_ids = _prompt(args, pair, article)
+        run = text_runner(pair, prompt_ids)
+        extra = hf_assisted_runs(pair, prompt_ids, cfg) if args.hf_assisted else {}
+        names = f"{pair.draft_name} → {pair.target_name}"
+    with tqdm(desc="compare", unit="run", file=sys.stderr, total=4 + len(extra)) as bar:
+        started = []
+
         def stage(name: str) -> None:
+            if started:
+                bar.update(1)
+            started.append(name)
             bar.set_postfix_str(name)
-            bar.update(0 if bar.n == 0 and not bar.postfix else 1)
-        rows, _ = compare(pair, prompt_ids, cfg, hf_assisted=args.hf_assisted, on_stage=stage)
-        bar.update(bar.total - bar.n)
+
+        rows, _ = compare(run, cfg, extra=extra, on_stage=stage)
+        bar.update(1)
     header = f"{'run':30s} {'tok/s':>7s} {'speedup':>8s} {'α':>6s} {'tok/iter':>8s} {'verify ms':>9s}  = target-only"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r.name:30s} {r.tokens_per_s:7.2f} {r.speedup:7.2f}× {_fmt(r.alpha, '6.3f'):>6s} "
               f"{_fmt(r.tokens_per_iteration, '8.2f'):>8s} {_fmt(r.median_verify_ms, '9.2f'):>9s}  {'yes' if r.equals_target_only else 'no'}")
-    print(f"\n{pair.draft_name} → {pair.target_name}, {str(pair.dtype).removeprefix('torch.')}, {machine.describe()}")
+    dtype = str(pair.dtype).removeprefix("torch.")
+    print(f"\n{names}, {dtype}, {machine.describe()}")
     if args.json:
-        report = {
-            "machine": machine.describe(),
-            "draft": pair.draft_name,
-            "target": pair.target_name,
-            "dtype": str(pair.dtype).removeprefix("torch."),
-            "prompt_tokens": len(prompt_ids),
-            "config": cfg.to_dict(),
-            "rows": [r.as_dict() for r in rows],
-        }
+        report = {"machine": machine.describe(), "models": names, "dtype": dtype, "input": args.input or "sample article",
+                  "config": cfg.to_dict(), "rows": [r.as_dict() for r in rows]}
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))
         print(f"table written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _load_speech(args: argparse.Namespace):
+    from .asr import load_speech_pair
+
+    progress = _LoadProgress()
+    try:
+        return load_speech_pair(args.target, args.draft, device=args.device, dtype=args.dtype or "fp32", progress=progress)
+    finally:
+        progress.close()
+
+
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    from .asr import transcribe, word_error_rate
+
+    cfg = _config(args, args.mode, speech=True)
+    reference = args.reference
+    if args.reference_file:
+        reference = Path(args.reference_file).read_text(encoding="utf-8")
+    audio = load_audio(args.input)
+    pair = _load_speech(args)
+    with tqdm(total=cfg.max_new_tokens, desc=f"{cfg.mode} transcribing", unit="tok", file=sys.stderr) as bar:
+        def advance(record, trace):
+            bar.update(record.emitted)
+            bar.set_postfix(window=record.window, γ=record.gamma, accepted=record.n_accepted)
+        trace = transcribe(pair, audio, cfg, language=args.language, on_iteration=advance, meta={"input": args.input})
+    print(trace.output_text)
+    print()
+    summary = trace.summary()
+    if reference:
+        summary["wer"] = word_error_rate(reference, trace.output_text)
+        trace.meta["reference"] = reference
+        trace.meta["wer"] = summary["wer"]
+    for key, value in summary.items():
+        print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
+    if args.trace:
+        trace.save(args.trace)
+        print(f"trace written to {args.trace}", file=sys.stderr)
     return 0
 
 
@@ -179,8 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", default="exact", choices=MODES)
     g.add_argument("--trace", metavar="FILE", help="write the JSON trace here")
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("compare", help="target-only vs baseline vs exact vs sigmoid on one input and seed")
-    _add_common(c)
+    t = sub.add_parser("transcribe", help="transcribe an audio file with speculative Whisper decoding")
+    _add_common(t, audio=True)
+    t.add_argument("--mode", default="exact", choices=MODES)
+    t.add_argument("--reference", help="reference transcript, for WER")
+    t.add_argument("--reference-file", help="file holding the reference transcript, for WER")
+    t.add_argument("--trace", metavar="FILE", help="write the JSON trace here")
+    t.set_defaults(func=cmd_transcribe)
+    c = sub.add_parser("compare", help="target-only vs baseline vs exact vs sigmoid on one input (text or audio)")
+    _add_common(c, audio=True)
     c.add_argument("--json", metavar="FILE", help="write the table as JSON here")
     c.add_argument("--hf-assisted", action="store_true", help="also time transformers' generate(assistant_model=...)")
     c.set_defaults(func=cmd_compare)
@@ -191,6 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (InputError, ModelLoadError, InvalidLogitsError, TraceFormatError, ValueError) as e:
+    except (InputError, AudioError, ModelLoadError, InvalidLogitsError, TraceFormatError, ValueError, OSError) as e:
         print(f"specviz: error: {e}", file=sys.stderr)
         return 2

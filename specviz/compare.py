@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -80,30 +81,43 @@ def run_hf_assisted(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig, con
     )
 
 
+Runner = Callable[[SpecConfig, bool], Trace]  # (config, target_only) -> trace
+
+
+def text_runner(pair: ModelPair, prompt_ids: list[int]) -> Runner:
+    def run(cfg: SpecConfig, target_only: bool) -> Trace:
+        return run_target_only(pair, prompt_ids, cfg) if target_only else run_speculative(pair, prompt_ids, cfg)
+    return run
+
+
 def compare(
-    pair: ModelPair,
-    prompt_ids: list[int],
+    run: Runner,
     cfg: SpecConfig,
     *,
     modes: tuple[str, ...] = MODES,
-    hf_assisted: bool = False,
+    extra: dict[str, Callable[[], Trace]] | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> tuple[list[Row], dict[str, Trace]]:
-    """Target-only, then each mode (and optionally transformers' assisted generation), same input and seed."""
+    """Target-only, then each mode on the same input and seed, then any extra runs (e.g. transformers')."""
     stage = on_stage or (lambda name: None)
     stage("target-only")
-    reference = run_target_only(pair, prompt_ids, cfg)
+    reference = run(cfg, True)
     traces = {"target-only": reference}
     rows = [_row("target-only", reference, reference)]
     for mode in modes:
         stage(mode)
-        trace = run_speculative(pair, prompt_ids, SpecConfig(**{**cfg.__dict__, "mode": mode}))
-        traces[mode] = trace
-        rows.append(_row(mode, trace, reference))
-    if hf_assisted:
-        for threshold, name in ((0.0, "hf-assisted"), (0.4, "hf-assisted (confidence 0.4)")):
-            stage(name)
-            trace = run_hf_assisted(pair, prompt_ids, cfg, threshold)
-            traces[name] = trace
-            rows.append(_row(name, trace, reference))
+        traces[mode] = run(dataclasses.replace(cfg, mode=mode), False)
+        rows.append(_row(mode, traces[mode], reference))
+    for name, job in (extra or {}).items():
+        stage(name)
+        traces[name] = job()
+        rows.append(_row(name, traces[name], reference))
     return rows, traces
+
+
+def hf_assisted_runs(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig) -> dict[str, Callable[[], Trace]]:
+    """transformers' assisted generation with our γ schedule, and with its default confidence threshold too."""
+    return {
+        "hf-assisted": lambda: run_hf_assisted(pair, prompt_ids, cfg, 0.0),
+        "hf-assisted (confidence 0.4)": lambda: run_hf_assisted(pair, prompt_ids, cfg, 0.4),
+    }

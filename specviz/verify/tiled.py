@@ -132,6 +132,7 @@ def verify_tiled(
 ) -> dict[str, torch.Tensor]:
     if tile < 1:
         raise ValueError("tile size must be >= 1")
+    tile = min(tile, target_logits.shape[-1])  # per-row scratch is [B, tile]: never wider than the vocabulary
     B, gamma = draft_tokens.shape
     if sampling.greedy:
         return _verify_greedy(draft_tokens, draft_logits, target_logits, generator, lenience)

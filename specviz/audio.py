@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from math import gcd
 from pathlib import Path
 
@@ -31,18 +32,21 @@ def decode_audio(path: str | Path) -> tuple[np.ndarray, int]:
         raise AudioError(f"{path.name} is empty (0 bytes)")
     try:
         info = sf.info(str(path))
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
         raise AudioError(
             f"{path.name} could not be decoded as audio ({e}); readable formats: {_formats()}"
         ) from None
+    # libsndfile reads what a cut-off WAV/AIFF still holds and notes the shortfall in its log
+    shortfall = re.search(r"data : (\d+) \(should be (\d+)\)", info.extra_info or "")
+    if shortfall:
+        raise AudioError(f"{path.name} is truncated: its header announces {int(shortfall.group(1)):,} bytes of audio "
+                         f"but the file holds {int(shortfall.group(2)):,}")
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError) as e:
+        raise AudioError(f"{path.name} is truncated or corrupt: decoding stopped with '{e}'") from None
     if data.shape[0] == 0:
         raise AudioError(f"{path.name} contains no audio samples")
-    if info.frames > 0 and data.shape[0] < info.frames:
-        raise AudioError(
-            f"{path.name} is truncated: its header announces {info.frames / rate:.2f} s but only "
-            f"{data.shape[0] / rate:.2f} s could be read"
-        )
     if not np.isfinite(data).all():
         raise AudioError(f"{path.name} contains NaN or infinite samples")
     return data, int(rate)

@@ -44,9 +44,11 @@ class _LoadProgress:
             self.bar = None
 
 
-def _add_common(p: argparse.ArgumentParser, audio: bool = False) -> None:
+def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
+    """Options every command shares; inputs is 'text', 'audio' or 'either'."""
+    audio = inputs != "text"
     src = p.add_argument_group("input")
-    if audio and p.prog.endswith("transcribe"):
+    if inputs == "audio":
         src.add_argument("input", help="audio file (WAV, FLAC, OGG, MP3, ... anything libsndfile reads)")
     else:
         src.add_argument("input", nargs="?", help="article file to summarize ('-' for stdin)"
@@ -61,6 +63,8 @@ def _add_common(p: argparse.ArgumentParser, audio: bool = False) -> None:
     m.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="default: bf16 for the text pair, fp32 for Whisper")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    m.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
+                   help="int8 draft weights (text pair; default: on for the CPU)")
     s = p.add_argument_group("sampling (applied identically to draft and target)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0)
@@ -115,7 +119,8 @@ def _checked_article(arg: str | None) -> str:
 def _load(args: argparse.Namespace) -> ModelPair:
     progress = _LoadProgress()
     try:
-        return load_pair(args.draft, args.target, device=args.device, dtype=args.dtype or "bf16", progress=progress)
+        return load_pair(args.draft, args.target, device=args.device, dtype=args.dtype or "bf16",
+                         draft_int8=args.draft_int8, progress=progress)
     finally:
         progress.close()
 
@@ -175,7 +180,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         run = text_runner(pair, prompt_ids)
         extra = hf_assisted_runs(pair, prompt_ids, cfg) if args.hf_assisted else {}
         names = f"{pair.draft_name} → {pair.target_name}"
-    with tqdm(desc="compare", unit="run", file=sys.stderr, total=4 + len(extra)) as bar:
+    with tqdm(desc="compare", unit="run", file=sys.stderr, total=1 + (4 + len(extra)) * args.repeat) as bar:
         started = []
 
         def stage(name: str) -> None:
@@ -184,7 +189,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             started.append(name)
             bar.set_postfix_str(name)
 
-        rows, _ = compare(run, cfg, extra=extra, on_stage=stage)
+        rows, _ = compare(run, cfg, extra=extra, repeat=args.repeat, on_stage=stage)
         bar.update(1)
     header = f"{'run':30s} {'tok/s':>7s} {'speedup':>8s} {'α':>6s} {'tok/iter':>8s} {'verify ms':>9s}  = target-only"
     print(header)
@@ -196,6 +201,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"\n{names}, {dtype}, {machine.describe()}")
     if args.json:
         report = {"machine": machine.describe(), "models": names, "dtype": dtype, "input": args.input or "sample article",
+                  "repeat": args.repeat, "statistic": "median run by wall time, after one untimed warm-up run",
                   "config": cfg.to_dict(), "rows": [r.as_dict() for r in rows]}
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))
         print(f"table written to {args.json}", file=sys.stderr)
@@ -241,6 +247,28 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_speech_draft(args: argparse.Namespace) -> int:
+    from .bench import speech_draft_layers
+    from .asr import parse_layers
+
+    cfg = _config(args, "exact", speech=True)
+    audio = load_audio(args.input)
+    pair = _load_speech(args)
+    reference = Path(args.reference_file).read_text(encoding="utf-8") if args.reference_file else None
+    layer_sets = [parse_layers(spec) for spec in args.layers]
+    rows = speech_draft_layers(pair, audio, layer_sets, cfg, reference, repeat=args.repeat)
+    print(f"{'draft':28s} {'α':>6s} {'accept':>7s} {'tok/iter':>8s} {'decode s':>9s} {'speedup':>8s}")
+    for r in rows:
+        print(f"{r['draft']:28s} {_fmt(r.get('alpha'), '6.3f'):>6s} {_fmt(r.get('acceptance_rate'), '7.3f'):>7s} "
+              f"{_fmt(r.get('tokens_per_iteration'), '8.2f'):>8s} {r['decode_s']:9.3f} {r['speedup']:7.2f}×")
+    print(f"\n{pair.target_name}, {str(pair.dtype).removeprefix('torch.')}, {machine.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine.describe(), "input": args.input, "repeat": args.repeat,
+                                               "statistic": "median decode time (prefill excluded), after a warm-up",
+                                               "config": cfg.to_dict(), "rows": rows}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specviz", description="Speculative decoding you can watch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -250,17 +278,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="FILE", help="write the JSON trace here")
     g.set_defaults(func=cmd_generate)
     t = sub.add_parser("transcribe", help="transcribe an audio file with speculative Whisper decoding")
-    _add_common(t, audio=True)
+    _add_common(t, "audio")
     t.add_argument("--mode", default="exact", choices=MODES)
     t.add_argument("--reference", help="reference transcript, for WER")
     t.add_argument("--reference-file", help="file holding the reference transcript, for WER")
     t.add_argument("--trace", metavar="FILE", help="write the JSON trace here")
     t.set_defaults(func=cmd_transcribe)
     c = sub.add_parser("compare", help="target-only vs baseline vs exact vs sigmoid on one input (text or audio)")
-    _add_common(c, audio=True)
+    _add_common(c, "either")
     c.add_argument("--json", metavar="FILE", help="write the table as JSON here")
     c.add_argument("--hf-assisted", action="store_true", help="also time transformers' generate(assistant_model=...)")
+    c.add_argument("--repeat", type=int, default=1, help="rounds of all runs; each row reports its median run")
     c.set_defaults(func=cmd_compare)
+    b = sub.add_parser("bench-speech-draft", help="acceptance and speed of self-speculative Whisper drafts by layer set")
+    _add_common(b, "audio")
+    b.add_argument("--layers", nargs="+", default=["layers:0,1,2,4,5", "layers:0,1,2,3,5", "layers:0,1,2,3,4",
+                                                   "layers:0,1,2,5", "layers:0,1,4,5", "layers:0,5"])
+    b.add_argument("--reference-file", help="reference transcript, for the target's WER")
+    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("--json", metavar="FILE")
+    b.set_defaults(func=cmd_bench_speech_draft)
     return parser
 
 

@@ -96,23 +96,32 @@ def compare(
     *,
     modes: tuple[str, ...] = MODES,
     extra: dict[str, Callable[[], Trace]] | None = None,
+    repeat: int = 1,
     on_stage: Callable[[str], None] | None = None,
 ) -> tuple[list[Row], dict[str, Trace]]:
-    """Target-only, then each mode on the same input and seed, then any extra runs (e.g. transformers')."""
+    """Target-only, then each mode on the same input and seed, then any extra runs (e.g. transformers'),
+    after one short untimed warm-up run."""
     stage = on_stage or (lambda name: None)
-    stage("target-only")
-    reference = run(cfg, True)
-    traces = {"target-only": reference}
-    rows = [_row("target-only", reference, reference)]
+    stage("warm-up")
+    run(dataclasses.replace(cfg, max_new_tokens=4), False)  # first calls pay one-off kernel setup: not timed
+    jobs: dict[str, Callable[[], Trace]] = {"target-only": lambda: run(cfg, True)}
     for mode in modes:
-        stage(mode)
-        traces[mode] = run(dataclasses.replace(cfg, mode=mode), False)
-        rows.append(_row(mode, traces[mode], reference))
-    for name, job in (extra or {}).items():
-        stage(name)
-        traces[name] = job()
-        rows.append(_row(name, traces[name], reference))
-    return rows, traces
+        jobs[mode] = lambda mode=mode: run(dataclasses.replace(cfg, mode=mode), False)
+    jobs.update(extra or {})
+    traces: dict[str, list[Trace]] = {}
+    for r in range(repeat):  # rounds interleave the runs so that drifts in machine speed hit all alike
+        for name, job in jobs.items():
+            stage(name if repeat == 1 else f"{name} ({r + 1}/{repeat})")
+            traces.setdefault(name, []).append(job())
+    chosen = {name: _median_trace(runs) for name, runs in traces.items()}
+    reference = chosen["target-only"]
+    rows = [_row(name, trace, reference) for name, trace in chosen.items()]
+    return rows, chosen
+
+
+def _median_trace(runs: list[Trace]) -> Trace:
+    """The run with the median wall time (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda t: t.total_s)[(len(runs) - 1) // 2]
 
 
 def hf_assisted_runs(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig) -> dict[str, Callable[[], Trace]]:

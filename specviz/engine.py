@@ -232,6 +232,7 @@ def run_speculative(
         trace.output_ids = list(state.generated)
         trace.total_s = clock.now() - t0
         if on_iteration:
+            trace.output_text = pair.tokenizer.decode(trace.output_ids, skip_special_tokens=True)
             on_iteration(record, trace)
     trace.output_ids = list(state.generated)
     trace.output_text = pair.tokenizer.decode(trace.output_ids, skip_special_tokens=True)

@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .quant import quantize_draft_int8
+
 # progress(message, fraction in [0, 1] or None when the stage has no measurable length)
 Progress = Callable[[str, "float | None"], None]
 
@@ -247,15 +249,24 @@ def load_pair(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    draft_int8: bool | None = None,
     progress: Progress = _silent,
 ) -> ModelPair:
-    """Load and check a draft/target pair. Defaults: the embedded Qwen pair, CUDA when present, bf16."""
+    """Load and check a draft/target pair. Defaults: the embedded Qwen pair, CUDA when present, bf16, and on
+    the CPU an int8 draft (draft_int8=None means: int8 exactly when running on the CPU)."""
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype)
+    if draft_int8 is None:
+        draft_int8 = device.type == "cpu"
+    if draft_int8 and device.type != "cpu":
+        raise ValueError("the int8 draft runs on the CPU only")
     d_model, d_tok, d_name = load_model(draft, "draft", device=device, dtype=dtype, progress=progress)
+    if draft_int8:
+        progress("quantizing the draft to int8", None)
+        d_model = quantize_draft_int8(d_model)
+        d_name += " (int8)"
     t_model, t_tok, t_name = load_model(target, "target", device=device, dtype=dtype, progress=progress)
     vocab = check_vocabularies(
-        d_tok, t_tok, d_model.get_output_embeddings().weight.shape[0],
-        t_model.get_output_embeddings().weight.shape[0], d_name, t_name,
+        d_tok, t_tok, d_model.config.vocab_size, t_model.config.vocab_size, d_name, t_name,
     )
     return ModelPair(d_model, t_model, t_tok, d_name, t_name, vocab)

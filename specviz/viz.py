@@ -30,6 +30,8 @@ TOKEN_CSS = """
 .sv-resampled { background: #ddf4ff; color: #0969da; font-weight: 600; }
 .sv-bonus { background: #fbefff; color: #8250df; font-weight: 600; }
 .sv-legend span { margin-right: 1em; }
+.sv-prompt { background: #eaeef2; color: #57606a; }
+.sv-window { color: #57606a; font-style: italic; }
 """
 
 
@@ -43,7 +45,15 @@ def token_html(trace: Trace) -> str:
         f'<span class="sv-tok sv-{k}">{k}</span>' for k in (ACCEPTED, REJECTED, "resampled", BONUS, DISCARDED)
     )
     lines = [f'<div class="sv-legend">{legend}</div>']
+    prompt_text = trace.meta.get("prompt_text")
+    if prompt_text:  # speech: the decoder prompt, marked as prompt
+        lines.append(f'<div class="sv-line"><span class="sv-iter">prompt</span>'
+                     f'<span class="sv-tok sv-prompt" title="decoder prompt, not decoded">{_visible(prompt_text)}</span></div>')
+    window = None
     for it in trace.iterations:
+        if it.window != window and trace.iterations[-1].window > 0:  # long audio: mark each 30 s window
+            window = it.window
+            lines.append(f'<div class="sv-line sv-window">audio window {window}</div>')
         spans = []
         for tok, outcome, p, q, a, u in zip(it.draft_text, it.outcome, it.p, it.q, it.accept_prob, it.uniform):
             tip = f"{outcome}: p(x)={p:.4g}  q(x)={q:.4g}  accept prob={a:.4g}  uniform={u:.4g}"

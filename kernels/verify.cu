@@ -1,0 +1,707 @@
+// Speculative-sampling verification on the GPU: Wagner et al. (2024) §3.2.1 ("exact") and §3.2.2
+// ("sigmoid"), deciding exactly as the torch path in specviz/verify/tiled.py does.
+//
+// Inputs: target logits zp [B, γ+1, V], draft logits zq [B, γ, V] (fp32, fp16 or bf16; last dimension
+// contiguous, batch and row strides free, so expand()ed tensors need no copy), drafted tokens [B, γ]
+// int64, uniforms u [B, γ] and u_res [B] fp32 drawn by the caller. Outputs are small: per row the number
+// of accepted drafts, the next token and error codes (int64), per drafted position min(1, ratio), p(x)
+// and q(x) (fp32). No full-vocabulary tensor is ever written.
+//
+// exact, two launches:
+//   1. sv_exact_stats_*    grid (K1, 2γ+1, B): block (c, r, b) reduces chunk c of row r (target rows
+//      0..γ, then draft rows 0..γ-1) to (max, Σ exp(z - max)) with z = scale·logit, one read of each
+//      logit, and writes the pair to partials[b, r, c]. A chunk holding NaN / +inf stores NaN / +inf as
+//      its max: the error flag.
+//   2. sv_exact_resample_* grid (K2, B): every block merges the partials into log-normalizers
+//      L = m + log(s) (redundantly, they are a few KB), computes p(x_j), q(x_j), the ratios and n
+//      (identically in every block), then the residual mass of its chunk of row n, max(0, p - w·q) with
+//      w = l for a rejection and w = 0 for the bonus, plus the plain p mass (the fallback when the
+//      residual has no mass). The last block of batch b to finish (threadfence + atomic ticket; it
+//      resets the counter for the next call) scans the chunk masses, then the chosen chunk, and writes
+//      next_token.
+// sigmoid, one launch:
+//   sv_sigmoid_*           grid (K2, 2γ+1, B): p̂ = σ((scale·z - α)/(β - α)) needs no normalizer. Block
+//      (c, r, b) validates chunk c of row r (atomicOr of error bits into a per-row word); the blocks with
+//      r == n also form the residual mass of chunk c. The last block of batch b finishes as above.
+//
+// Sampling (tiled.py's _scan_pick, twice): goal = u_res·total; the chunk is the first whose cumulative
+// mass exceeds goal (searchsorted right=True), clamped to the last chunk with positive mass; inside it,
+// the first token whose cumulative residual exceeds goal - (mass before the chunk), clamped likewise.
+// Only entries with positive mass are ever picked.
+//
+// Arithmetic that decides outcomes uses the same fp32 operations as torch, unfused (__fmul_rn etc.), so
+// per-element probabilities match torch's bit for bit given the same normalizer; sums are accumulated in
+// a different order, so near-ties can fall differently.
+//
+// Rules kept throughout: every __syncthreads / __syncthreads_or is reached by all threads of the block
+// (the only early exit is the block-uniform "not the last block" return); warp shuffles run with all 32
+// lanes; reductions handle any count (no power-of-two assumption); chunk sizes need not divide V; all
+// offsets into logits are 64-bit. No headers are included, so NVRTC compiles this file as it is.
+
+typedef long long sv_i64;
+
+#define SV_THREADS 256
+#define SV_WARPS (SV_THREADS / 32)
+#define SV_MAX_GAMMA 256
+#define SV_MAX_ROWS (2 * SV_MAX_GAMMA + 1)
+#define SV_UNROLL 4
+#define SV_FULL 0xffffffffu
+#define SV_INT_MAX 0x7fffffff
+
+// Error bits per logit row.
+#define SV_NAN 1
+#define SV_POSINF 2
+#define SV_ONLY_NEGINF 4
+#define SV_FINITE 8  // seen a finite value (sigmoid pass only; exact reads it off the row max)
+
+__device__ __forceinline__ float sv_neg_inf() { return __uint_as_float(0xff800000u); }
+__device__ __forceinline__ float sv_pos_inf() { return __uint_as_float(0x7f800000u); }
+__device__ __forceinline__ float sv_nan() { return __uint_as_float(0x7fffffffu); }
+__device__ __forceinline__ sv_i64 sv_min64(sv_i64 a, sv_i64 b) { return a < b ? a : b; }
+
+// ------------------------------------------------------------------------------------------------
+// Logit storage types
+// ------------------------------------------------------------------------------------------------
+
+struct sv_f32 {
+  typedef float T;
+  static __device__ __forceinline__ float load(const float* p, sv_i64 i) { return p[i]; }
+};
+
+struct sv_f16 {
+  typedef unsigned short T;
+  static __device__ __forceinline__ float load(const unsigned short* p, sv_i64 i) {
+    const unsigned short h = p[i];
+#ifdef SPECVIZ_EMULATE
+    return sv_emu_half_to_float(h);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+  }
+};
+
+struct sv_bf16 {
+  typedef unsigned short T;
+  static __device__ __forceinline__ float load(const unsigned short* p, sv_i64 i) {
+    return __uint_as_float(((unsigned int)p[i]) << 16);
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Probabilities, exactly as torch computes them (tiled.py `_Probs.__call__`)
+// ------------------------------------------------------------------------------------------------
+
+// exact: exp(scale·x - L); sigmoid: 1 / (1 + exp(-((scale·x - α) / (β - α)))), den = β - α.
+template <bool SIG>
+__device__ __forceinline__ float sv_prob(float x, float scale, float L, float alpha, float den) {
+  const float z = __fmul_rn(x, scale);
+  if (SIG) {
+    const float t = __fdiv_rn(__fsub_rn(z, alpha), den);
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-t)));
+  }
+  return expf(__fsub_rn(z, L));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Online (max, Σ exp(z - max)) pairs
+// ------------------------------------------------------------------------------------------------
+
+// Merge (m2, s2) into (m, s). Empty pairs are (-inf, 0); exp(-inf - (-inf)) is never evaluated.
+__device__ __forceinline__ void sv_merge(float& m, float& s, float m2, float s2) {
+  const float M = fmaxf(m, m2);
+  if (M == sv_neg_inf()) {
+    m = M;
+    s = 0.0f;
+    return;
+  }
+  s = s * expf(m - M) + s2 * expf(m2 - M);  // a side at -inf contributes s·exp(-inf) = 0
+  m = M;
+}
+
+// Every lane of the warp ends with the merge of all 32 pairs (bitwise the same on every lane: the
+// merge is symmetric in its two arguments).
+__device__ __forceinline__ void sv_warp_merge(float& m, float& s) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(SV_FULL, m, off);
+    const float s2 = __shfl_xor_sync(SV_FULL, s, off);
+    sv_merge(m, s, m2, s2);
+  }
+}
+
+__device__ __forceinline__ int sv_warp_or(int v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v |= __shfl_xor_sync(SV_FULL, v, off);
+  return v;
+}
+
+__device__ __forceinline__ float sv_warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(SV_FULL, v, off);
+  return v;
+}
+
+// Sums a and c over the block; every thread gets the totals. Call from all threads. sh: 2·SV_WARPS.
+__device__ __forceinline__ void sv_block_sum2(float& a, float& c, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  a = sv_warp_sum(a);
+  c = sv_warp_sum(c);
+  if (lane == 0) {
+    sh[warp] = a;
+    sh[SV_WARPS + warp] = c;
+  }
+  __syncthreads();
+  a = 0.0f;
+  c = 0.0f;
+  for (int w = 0; w < SV_WARPS; ++w) {
+    a += sh[w];
+    c += sh[SV_WARPS + w];
+  }
+  __syncthreads();  // sh may be reused right after
+}
+
+// Exclusive prefix sum of v over the threads of the block, in thread order. Call from all threads.
+__device__ __forceinline__ float sv_block_exclusive_scan(float v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float incl = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const float t = __shfl_up_sync(SV_FULL, incl, off);
+    if (lane >= off) incl += t;
+  }
+  float excl = __shfl_up_sync(SV_FULL, incl, 1);
+  if (lane == 0) excl = 0.0f;
+  if (lane == 31) sh[warp] = incl;
+  __syncthreads();
+  float base = 0.0f;
+  for (int w = 0; w < warp; ++w) base += sh[w];
+  __syncthreads();
+  return base + excl;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Shared context
+// ------------------------------------------------------------------------------------------------
+
+template <class D>
+struct sv_ctx {
+  typedef typename D::T T;
+  const T* zp;
+  sv_i64 p_sb, p_sr;  // target strides (elements): batch, row
+  const T* zq;
+  sv_i64 q_sb, q_sr;  // draft strides
+  const sv_i64* tokens;  // [B, γ] contiguous
+  const float* u;        // [B, γ] contiguous
+  const float* u_res;    // [B]
+  int B, gamma;
+  sv_i64 V;
+  float scale, lenience, alpha, den;
+  sv_i64* out_i64;  // [n_accepted (B) | next_token (B) | errors (5·B)]
+  float* out_f32;   // [accept_prob | p_draft | q_draft | uniforms], B·γ each
+
+  __device__ __forceinline__ const T* prow(int b, int r) const {
+    return zp + (sv_i64)b * p_sb + (sv_i64)r * p_sr;
+  }
+  __device__ __forceinline__ const T* qrow(int b, int j) const {
+    return zq + (sv_i64)b * q_sb + (sv_i64)j * q_sr;
+  }
+  // Row r of the stacked [target rows 0..γ, draft rows 0..γ-1] numbering.
+  __device__ __forceinline__ const T* row(int b, int r) const {
+    return r <= gamma ? prow(b, r) : qrow(b, r - gamma - 1);
+  }
+};
+
+// max(0, p - w·q) at column i, as torch's `torch.clamp(probs(zp) - w * probs(zq), min=0)`. With w == 0
+// the draft row is not read: p - 0·q == p exactly for every finite q.
+template <class D, bool SIG>
+__device__ __forceinline__ float sv_residual_at(const sv_ctx<D>& x, const typename D::T* prow,
+                                                const typename D::T* qrow, sv_i64 i, float Lp, float Lq,
+                                                float w) {
+  const float p = sv_prob<SIG>(D::load(prow, i), x.scale, Lp, x.alpha, x.den);
+  float wq = 0.0f;
+  if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(D::load(qrow, i), x.scale, Lq, x.alpha, x.den));
+  return fmaxf(__fsub_rn(p, wq), 0.0f);
+}
+
+// Ratios at the drafted tokens and the number accepted, n = index of the first rejection (γ if none),
+// left in *s_first; the first out-of-range drafted token in *s_badtok. Identical in every block (the same
+// operations on the same values). `write`: this block stores accept_prob, p_draft, q_draft and a copy of u.
+// L: shared log-normalizers of the stacked rows (exact); unused for sigmoid. Call from all threads;
+// *s_first and *s_badtok must hold γ and a barrier must separate that from this call.
+template <class D, bool SIG>
+__device__ __forceinline__ void sv_accept(const sv_ctx<D>& x, int b, const float* L, bool write,
+                                          int* s_first, int* s_badtok) {
+  for (int j = threadIdx.x; j < x.gamma; j += SV_THREADS) {
+    sv_i64 tok = x.tokens[(sv_i64)b * x.gamma + j];
+    const bool ok = tok >= 0 && tok < x.V;
+    if (!ok) {
+      atomicMin(s_badtok, j);
+      tok = 0;  // keep the reads in bounds; the wrapper raises
+    }
+    const float lp = SIG ? 0.0f : L[j];
+    const float lq = SIG ? 0.0f : L[x.gamma + 1 + j];
+    const float px = sv_prob<SIG>(D::load(x.prow(b, j), tok), x.scale, lp, x.alpha, x.den);
+    const float qx = sv_prob<SIG>(D::load(x.qrow(b, j), tok), x.scale, lq, x.alpha, x.den);
+    const float ratio = __fdiv_rn(px, __fmul_rn(x.lenience, qx));
+    const sv_i64 o = (sv_i64)b * x.gamma + j;
+    const bool accepted = ok && x.u[o] <= ratio;  // NaN (0/0) compares false: rejected
+    if (!accepted) atomicMin(s_first, j);
+    if (write) {
+      const sv_i64 bg = (sv_i64)x.B * x.gamma;
+      x.out_f32[o] = ratio != ratio ? 0.0f : fminf(ratio, 1.0f);  // +inf -> 1, like nan_to_num + clamp
+      x.out_f32[bg + o] = px;
+      x.out_f32[2 * bg + o] = qx;
+      x.out_f32[3 * bg + o] = x.u[o];
+    }
+  }
+}
+
+// Residual mass (and plain p mass) of columns [start, end) of target row n against draft row qn,
+// coalesced. Per-thread partial sums; the caller reduces them over the block.
+template <class D, bool SIG>
+__device__ __forceinline__ void sv_chunk_mass(const sv_ctx<D>& x, const typename D::T* prow,
+                                              const typename D::T* qrow, sv_i64 start, sv_i64 end,
+                                              float Lp, float Lq, float w, float& rsum, float& psum) {
+  for (sv_i64 i = start + threadIdx.x; i < end; i += (sv_i64)SV_THREADS * SV_UNROLL) {
+    float zp[SV_UNROLL], zq[SV_UNROLL];
+#pragma unroll
+    for (int k = 0; k < SV_UNROLL; ++k) {
+      const sv_i64 col = i + (sv_i64)k * SV_THREADS;
+      zp[k] = col < end ? D::load(prow, col) : 0.0f;
+      zq[k] = (w != 0.0f && col < end) ? D::load(qrow, col) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < SV_UNROLL; ++k) {
+      const sv_i64 col = i + (sv_i64)k * SV_THREADS;
+      if (col < end) {
+        const float p = sv_prob<SIG>(zp[k], x.scale, Lp, x.alpha, x.den);
+        float wq = 0.0f;
+        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(zq[k], x.scale, Lq, x.alpha, x.den));
+        rsum += fmaxf(__fsub_rn(p, wq), 0.0f);
+        psum += p;
+      }
+    }
+  }
+}
+
+// The last block of batch b: error report, chunk scan, scan inside the chosen chunk, outputs.
+// s_flag: shared error bits per stacked row (R = 2γ+1 entries). masses: [K2] pairs (residual, p) of
+// batch b, written by other blocks: read through volatile after the caller's __threadfence.
+// Call from all threads of the block.
+template <class D, bool SIG>
+__device__ __forceinline__ void sv_finish(const sv_ctx<D>& x, int b, int n, float Lp, float Lq,
+                                          const int* s_flag, const float* masses, int K2, sv_i64 chunk2,
+                                          int badtok, float* s_red) {
+  __shared__ int s_bad_draft, s_bad_target, s_k, s_sel, s_jmin, s_jmax;
+  __shared__ float s_goal2;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int R = 2 * x.gamma + 1;
+  if (threadIdx.x == 0) {
+    s_bad_draft = R;
+    s_bad_target = R;
+    s_jmin = SV_INT_MAX;
+    s_jmax = -1;
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < R; r += SV_THREADS) {
+    if (s_flag[r]) atomicMin(r <= x.gamma ? &s_bad_target : &s_bad_draft, r);
+  }
+
+  // Chunk level (warp 0): total, fallback to plain p when the residual has no mass, goal, scan.
+  if (warp == 0) {
+    const volatile float* vm = masses;
+    float total = 0.0f;
+    for (int c = lane; c < K2; c += 32) total += vm[2 * c];
+    total = sv_warp_sum(total);  // the same value on every lane
+    int sel = 0;
+    if (total <= 0.0f) {  // tiled.py: `if (total <= 0)`: sample p instead (w = 0)
+      sel = 1;
+      total = 0.0f;
+      for (int c = lane; c < K2; c += 32) total += vm[2 * c + 1];
+      total = sv_warp_sum(total);
+    }
+    const float goal = __fmul_rn(x.u_res[b], total);
+    float carry = 0.0f;  // cumulative mass of the chunks before this group of 32
+    int found = -1, lastpos = -1;
+    float found_before = 0.0f, lastpos_before = 0.0f;
+    for (int base = 0; base < K2; base += 32) {  // the same trip count on every lane
+      const int c = base + lane;
+      const float v = c < K2 ? vm[2 * c + sel] : 0.0f;
+      float incl = v;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const float t = __shfl_up_sync(SV_FULL, incl, off);
+        if (lane >= off) incl += t;
+      }
+      incl += carry;
+      float excl = __shfl_up_sync(SV_FULL, incl, 1);  // cumulative mass before chunk c
+      if (lane == 0) excl = carry;
+      const unsigned above = __ballot_sync(SV_FULL, c < K2 && v > 0.0f && incl > goal);
+      const unsigned positive = __ballot_sync(SV_FULL, c < K2 && v > 0.0f);
+      if (found < 0 && above != 0u) {  // warp-uniform
+        const int l = __ffs(above) - 1;
+        found = base + l;
+        found_before = __shfl_sync(SV_FULL, excl, l);
+      }
+      if (positive != 0u) {  // warp-uniform
+        const int l = 31 - __clz(positive);
+        lastpos = base + l;
+        lastpos_before = __shfl_sync(SV_FULL, excl, l);
+      }
+      carry = __shfl_sync(SV_FULL, incl, 31);
+    }
+    // searchsorted(right=True) gives `found` (K2 when no cumulative mass exceeds goal); never past the
+    // last chunk with positive mass (chunk 0 when there is none).
+    const int idx = found >= 0 ? found : K2;
+    const int lp = lastpos >= 0 ? lastpos : 0;
+    int k;
+    float before;
+    if (idx <= lp) {
+      k = idx;
+      before = found_before;
+    } else {
+      k = lp;
+      before = lastpos >= 0 ? lastpos_before : 0.0f;
+    }
+    if (lane == 0) {
+      s_k = k;
+      s_sel = sel;
+      s_goal2 = __fsub_rn(goal, before);
+    }
+  }
+  __syncthreads();
+
+  // Inside chunk k: each thread scans a contiguous run of columns, in column order.
+  const int k = s_k;
+  const float w = s_sel ? 0.0f : (n < x.gamma ? x.lenience : 0.0f);
+  const float goal2 = s_goal2;
+  const int qn = n < x.gamma ? n : x.gamma - 1;
+  const typename D::T* prow = x.prow(b, n);
+  const typename D::T* qrow = x.qrow(b, qn);
+  const sv_i64 cstart = (sv_i64)k * chunk2;
+  const sv_i64 count = sv_min64(chunk2, x.V - cstart);
+  const sv_i64 per = (count + SV_THREADS - 1) / SV_THREADS;
+  const sv_i64 lo = sv_min64((sv_i64)threadIdx.x * per, count);
+  const sv_i64 hi = sv_min64(lo + per, count);
+  float run = 0.0f;
+  for (sv_i64 i = lo; i < hi; ++i) run += sv_residual_at<D, SIG>(x, prow, qrow, cstart + i, Lp, Lq, w);
+  float cum = sv_block_exclusive_scan(run, s_red);
+  int first = SV_INT_MAX, lastp = -1;
+  for (sv_i64 i = lo; i < hi; ++i) {
+    const float r = sv_residual_at<D, SIG>(x, prow, qrow, cstart + i, Lp, Lq, w);
+    cum += r;
+    if (r > 0.0f) {
+      if (first == SV_INT_MAX && cum > goal2) first = (int)i;
+      lastp = (int)i;
+    }
+  }
+  if (first != SV_INT_MAX) atomicMin(&s_jmin, first);
+  if (lastp >= 0) atomicMax(&s_jmax, lastp);
+  __syncthreads();
+
+  if (threadIdx.x == 0) {
+    const int lpos = s_jmax >= 0 ? s_jmax : 0;
+    const int j = s_jmin < lpos ? s_jmin : lpos;
+    x.out_i64[b] = n;
+    x.out_i64[x.B + b] = cstart + j;
+    sv_i64* e = x.out_i64 + 2 * (sv_i64)x.B + 5 * (sv_i64)b;
+    const int d = s_bad_draft, t = s_bad_target;
+    e[0] = d < R ? d - x.gamma - 1 : -1;  // first bad draft row (position j)
+    e[1] = d < R ? s_flag[d] : 0;
+    e[2] = t < R ? t : -1;  // first bad target row
+    e[3] = t < R ? s_flag[t] : 0;
+    e[4] = badtok < x.gamma ? badtok : -1;  // first drafted token outside [0, V)
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// exact, launch 1: per-chunk (max, sum) of every row
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void sv_online(float xv, float scale, float& m, float& s, int& bad) {
+  if (xv != xv) {
+    bad |= SV_NAN;
+    return;
+  }
+  if (xv == sv_pos_inf()) {
+    bad |= SV_POSINF;
+    return;
+  }
+  const float z = __fmul_rn(xv, scale);
+  if (z > m) {
+    s = s * expf(m - z) + 1.0f;  // m == -inf: exp(-inf) = 0
+    m = z;
+  } else if (z != sv_neg_inf()) {
+    s += expf(z - m);  // here m >= z > -inf
+  }
+}
+
+template <class D>
+__device__ __forceinline__ void sv_exact_stats(const typename D::T* zp, sv_i64 p_sb, sv_i64 p_sr,
+                                               const typename D::T* zq, sv_i64 q_sb, sv_i64 q_sr,
+                                               int gamma, sv_i64 V, float scale, sv_i64 chunk1,
+                                               float* partials) {
+  __shared__ float sh_m[SV_WARPS], sh_s[SV_WARPS];
+  const int c = blockIdx.x, r = blockIdx.y, b = blockIdx.z;
+  const int K1 = gridDim.x, R = gridDim.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const typename D::T* row = r <= gamma ? zp + (sv_i64)b * p_sb + (sv_i64)r * p_sr
+                                        : zq + (sv_i64)b * q_sb + (sv_i64)(r - gamma - 1) * q_sr;
+  const sv_i64 start = (sv_i64)c * chunk1;
+  const sv_i64 end = sv_min64(start + chunk1, V);
+  float m = sv_neg_inf(), s = 0.0f;
+  int bad = 0;
+  for (sv_i64 i = start + threadIdx.x; i < end; i += (sv_i64)SV_THREADS * SV_UNROLL) {
+    float v[SV_UNROLL];
+#pragma unroll
+    for (int k = 0; k < SV_UNROLL; ++k) {
+      const sv_i64 col = i + (sv_i64)k * SV_THREADS;
+      v[k] = col < end ? D::load(row, col) : sv_neg_inf();  // -inf pads are skipped
+    }
+#pragma unroll
+    for (int k = 0; k < SV_UNROLL; ++k) sv_online(v[k], scale, m, s, bad);
+  }
+  sv_warp_merge(m, s);
+  if (lane == 0) {
+    sh_m[warp] = m;
+    sh_s[warp] = s;
+  }
+  const int any_nan = __syncthreads_or(bad & SV_NAN);
+  const int any_inf = __syncthreads_or(bad & SV_POSINF);
+  if (warp == 0) {
+    float mm = lane < SV_WARPS ? sh_m[lane] : sv_neg_inf();
+    float ss = lane < SV_WARPS ? sh_s[lane] : 0.0f;
+    sv_warp_merge(mm, ss);
+    if (lane == 0) {
+      float* out = partials + (((sv_i64)b * R + r) * K1 + c) * 2;
+      out[0] = any_nan ? sv_nan() : (any_inf ? sv_pos_inf() : mm);
+      out[1] = ss;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// exact, launch 2: normalizers, n, residual chunk masses, and the last block samples
+// ------------------------------------------------------------------------------------------------
+
+template <class D>
+__device__ __forceinline__ void sv_exact_resample(const sv_ctx<D>& x, sv_i64 chunk2, int K1,
+                                                  const float* partials, float* masses,
+                                                  unsigned int* counters) {
+  __shared__ float s_L[SV_MAX_ROWS];
+  __shared__ int s_flag[SV_MAX_ROWS];
+  __shared__ float s_red[2 * SV_WARPS];
+  __shared__ int s_first, s_badtok, s_last;
+  const int c = blockIdx.x, b = blockIdx.y;
+  const int K2 = gridDim.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gamma = x.gamma, R = 2 * gamma + 1;
+  if (threadIdx.x == 0) {
+    s_first = gamma;
+    s_badtok = gamma;
+  }
+  // Log-normalizer of every row: tiled.py's online_logsumexp, m + log(s).
+  for (int r = warp; r < R; r += SV_WARPS) {  // warp-uniform loop
+    const float* pr = partials + ((sv_i64)b * R + r) * K1 * 2;
+    float m = sv_neg_inf(), s = 0.0f;
+    int bits = 0;
+    for (int k = lane; k < K1; k += 32) {
+      const float mk = pr[2 * k], sk = pr[2 * k + 1];
+      if (mk != mk) {
+        bits |= SV_NAN;
+      } else if (mk == sv_pos_inf()) {
+        bits |= SV_POSINF;
+      } else {
+        sv_merge(m, s, mk, sk);
+      }
+    }
+    sv_warp_merge(m, s);
+    bits = sv_warp_or(bits);
+    if (lane == 0) {
+      if (bits == 0 && m == sv_neg_inf()) bits = SV_ONLY_NEGINF;
+      s_L[r] = m + logf(s);
+      s_flag[r] = bits;
+    }
+  }
+  __syncthreads();
+
+  sv_accept<D, false>(x, b, s_L, c == 0, &s_first, &s_badtok);
+  __syncthreads();
+  const int n = s_first;
+  const int qn = n < gamma ? n : gamma - 1;
+  const float w = n < gamma ? x.lenience : 0.0f;
+  const float Lp = s_L[n], Lq = s_L[gamma + 1 + qn];
+
+  float rsum = 0.0f, psum = 0.0f;
+  const sv_i64 start = (sv_i64)c * chunk2;
+  sv_chunk_mass<D, false>(x, x.prow(b, n), x.qrow(b, qn), start, sv_min64(start + chunk2, x.V), Lp, Lq,
+                          w, rsum, psum);
+  sv_block_sum2(rsum, psum, s_red);
+
+  float* mb = masses + (sv_i64)b * K2 * 2;
+  if (threadIdx.x == 0) {
+    mb[2 * c] = rsum;
+    mb[2 * c + 1] = psum;
+    __threadfence();  // the masses are visible device-wide before the ticket is taken
+    const unsigned int ticket = atomicAdd(&counters[b], 1u);
+    s_last = ticket == (unsigned int)K2 - 1u;
+  }
+  __syncthreads();
+  if (!s_last) return;  // block-uniform: the whole block leaves, or none of it
+  if (threadIdx.x == 0) counters[b] = 0u;  // every block of batch b has taken its ticket: reset
+  __threadfence();
+  sv_finish<D, false>(x, b, n, Lp, Lq, s_flag, mb, K2, chunk2, s_badtok, s_red);
+}
+
+// ------------------------------------------------------------------------------------------------
+// sigmoid: one launch
+// ------------------------------------------------------------------------------------------------
+
+template <class D>
+__device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, float* masses,
+                                           int* rowflags, unsigned int* counters) {
+  __shared__ int s_flag[SV_MAX_ROWS];
+  __shared__ float s_red[2 * SV_WARPS];
+  __shared__ int s_first, s_badtok, s_last;
+  const int c = blockIdx.x, r = blockIdx.y, b = blockIdx.z;
+  const int K2 = gridDim.x, R = gridDim.y;
+  const int gamma = x.gamma;
+  if (threadIdx.x == 0) {
+    s_first = gamma;
+    s_badtok = gamma;
+  }
+  __syncthreads();
+  sv_accept<D, true>(x, b, (const float*)0, c == 0 && r == 0, &s_first, &s_badtok);
+  __syncthreads();
+  const int n = s_first;
+  const int qn = n < gamma ? n : gamma - 1;
+  const float w = n < gamma ? x.lenience : 0.0f;
+  const bool role = r == n;  // block-uniform: this block also forms the residual mass of chunk c
+
+  // Validate chunk c of row r; when r is target row n, form the residual from the same reads.
+  const typename D::T* row = x.row(b, r);
+  const typename D::T* qrow = x.qrow(b, qn);
+  const sv_i64 start = (sv_i64)c * chunk2;
+  const sv_i64 end = sv_min64(start + chunk2, x.V);
+  float rsum = 0.0f, psum = 0.0f;
+  int bad = 0;
+  for (sv_i64 i = start + threadIdx.x; i < end; i += (sv_i64)SV_THREADS * SV_UNROLL) {
+    float v[SV_UNROLL];
+#pragma unroll
+    for (int k = 0; k < SV_UNROLL; ++k) {
+      const sv_i64 col = i + (sv_i64)k * SV_THREADS;
+      v[k] = col < end ? D::load(row, col) : sv_neg_inf();  // pads: neither NaN, +inf nor finite
+    }
+#pragma unroll
+    for (int k = 0; k < SV_UNROLL; ++k) {
+      const float xv = v[k];
+      if (xv != xv) {
+        bad |= SV_NAN;
+      } else if (xv == sv_pos_inf()) {
+        bad |= SV_POSINF;
+      } else if (xv != sv_neg_inf()) {
+        bad |= SV_FINITE;
+      }
+      const sv_i64 col = i + (sv_i64)k * SV_THREADS;
+      if (role && col < end) {
+        const float p = sv_prob<true>(xv, x.scale, 0.0f, x.alpha, x.den);
+        float wq = 0.0f;
+        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<true>(D::load(qrow, col), x.scale, 0.0f, x.alpha, x.den));
+        rsum += fmaxf(__fsub_rn(p, wq), 0.0f);
+        psum += p;
+      }
+    }
+  }
+  const int any_nan = __syncthreads_or(bad & SV_NAN);
+  const int any_inf = __syncthreads_or(bad & SV_POSINF);
+  const int any_fin = __syncthreads_or(bad & SV_FINITE);
+  sv_block_sum2(rsum, psum, s_red);
+
+  int* fb = rowflags + (sv_i64)b * R;
+  float* mb = masses + (sv_i64)b * K2 * 2;
+  if (threadIdx.x == 0) {
+    const int bits = (any_nan ? SV_NAN : 0) | (any_inf ? SV_POSINF : 0) | (any_fin ? SV_FINITE : 0);
+    if (bits) atomicOr(&fb[r], bits);
+    if (role) {
+      mb[2 * c] = rsum;
+      mb[2 * c + 1] = psum;
+    }
+    __threadfence();
+    const unsigned int ticket = atomicAdd(&counters[b], 1u);
+    s_last = ticket == (unsigned int)K2 * (unsigned int)R - 1u;
+  }
+  __syncthreads();
+  if (!s_last) return;  // block-uniform
+  if (threadIdx.x == 0) counters[b] = 0u;
+  __threadfence();
+  for (int rr = threadIdx.x; rr < R; rr += SV_THREADS) {
+    volatile int* f = fb + rr;
+    const int bits = *f;
+    *f = 0;  // zero again for the next call
+    int flag = bits & (SV_NAN | SV_POSINF);
+    if (flag == 0 && !(bits & SV_FINITE)) flag = SV_ONLY_NEGINF;
+    s_flag[rr] = flag;
+  }
+  __syncthreads();
+  sv_finish<D, true>(x, b, n, 0.0f, 0.0f, s_flag, mb, K2, chunk2, s_badtok, s_red);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Entry points (extern "C": plain names for CuPy's RawModule.get_function)
+// ------------------------------------------------------------------------------------------------
+
+#define SV_CTX_PARAMS                                                                              \
+  const TT *zp, sv_i64 p_sb, sv_i64 p_sr, const TT *zq, sv_i64 q_sb, sv_i64 q_sr,                  \
+      const sv_i64 *tokens, const float *u, const float *u_res, int B, int gamma, sv_i64 V,        \
+      float scale, float lenience, float alpha, float den, sv_i64 *out_i64, float *out_f32
+
+#define SV_FILL_CTX(DT)                                                                            \
+  sv_ctx<DT> x;                                                                                    \
+  x.zp = zp;                                                                                       \
+  x.p_sb = p_sb;                                                                                   \
+  x.p_sr = p_sr;                                                                                   \
+  x.zq = zq;                                                                                       \
+  x.q_sb = q_sb;                                                                                   \
+  x.q_sr = q_sr;                                                                                   \
+  x.tokens = tokens;                                                                               \
+  x.u = u;                                                                                         \
+  x.u_res = u_res;                                                                                 \
+  x.B = B;                                                                                         \
+  x.gamma = gamma;                                                                                 \
+  x.V = V;                                                                                         \
+  x.scale = scale;                                                                                 \
+  x.lenience = lenience;                                                                           \
+  x.alpha = alpha;                                                                                 \
+  x.den = den;                                                                                     \
+  x.out_i64 = out_i64;                                                                             \
+  x.out_f32 = out_f32;
+
+#define SV_ENTRY_POINTS(SUFFIX, DT)                                                                \
+  extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_exact_stats_##SUFFIX(                \
+      const DT::T* zp, sv_i64 p_sb, sv_i64 p_sr, const DT::T* zq, sv_i64 q_sb, sv_i64 q_sr,        \
+      int gamma, sv_i64 V, float scale, sv_i64 chunk1, float* partials) {                          \
+    sv_exact_stats<DT>(zp, p_sb, p_sr, zq, q_sb, q_sr, gamma, V, scale, chunk1, partials);         \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_exact_resample_##SUFFIX(             \
+      SV_CTX_PARAMS, sv_i64 chunk2, int K1, const float* partials, float* masses,                  \
+      unsigned int* counters) {                                                                    \
+    SV_FILL_CTX(DT)                                                                                \
+    sv_exact_resample<DT>(x, chunk2, K1, partials, masses, counters);                              \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_sigmoid_##SUFFIX(                    \
+      SV_CTX_PARAMS, sv_i64 chunk2, float* masses, int* rowflags, unsigned int* counters) {        \
+    SV_FILL_CTX(DT)                                                                                \
+    sv_sigmoid<DT>(x, chunk2, masses, rowflags, counters);                                         \
+  }
+
+#define TT sv_f32::T
+SV_ENTRY_POINTS(f32, sv_f32)
+#undef TT
+#define TT sv_f16::T
+SV_ENTRY_POINTS(f16, sv_f16)
+#undef TT
+#define TT sv_bf16::T
+SV_ENTRY_POINTS(bf16, sv_bf16)
+#undef TT

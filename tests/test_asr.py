@@ -1,0 +1,229 @@
+"""Speech: audio decoding and its refusals, Whisper decoders on the shared loop (tiny random Whisper), the
+layer-sharing draft, and, marked real, the embedded Whisper base on the bundled clip."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+from specviz.asr import SpeechPair, layer_draft, load_speech_pair, transcribe, word_error_rate
+from specviz.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
+from specviz.config import SpecConfig
+from specviz.models import ModelLoadError
+from specviz.prompts import ASSETS
+
+from conftest import word_tokenizer
+
+SAMPLE = ASSETS / "sample_speech.flac"
+REFERENCE = (ASSETS / "sample_speech.txt").read_text()
+TINY_V = 300
+
+
+# ---- audio in ---------------------------------------------------------------------------------------
+
+def _tone(seconds: float, rate: int) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS")])
+def test_formats_decode_to_16k_mono(tmp_path, fmt, subtype):
+    path = tmp_path / f"tone.{fmt.lower()}"
+    stereo = np.stack([_tone(1.5, 44_100), _tone(1.5, 44_100)], axis=1)
+    sf.write(path, stereo, 44_100, format=fmt, subtype=subtype)
+    audio = load_audio(path)
+    assert audio.dtype == np.float32 and audio.ndim == 1
+    assert abs(len(audio) - 1.5 * SAMPLE_RATE) <= 1
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.wav"
+    path.write_bytes(b"")
+    with pytest.raises(AudioError, match="empty"):
+        load_audio(path)
+
+
+def test_not_audio(tmp_path):
+    path = tmp_path / "notes.wav"
+    path.write_text("this is a text file, not a recording\n" * 20)
+    with pytest.raises(AudioError, match="could not be decoded as audio.*readable formats: .*FLAC"):
+        load_audio(path)
+
+
+def test_unsupported_container(tmp_path):
+    path = tmp_path / "clip.m4a"
+    path.write_bytes(b"\x00\x00\x00\x20ftypM4A " + bytes(400))
+    with pytest.raises(AudioError, match="could not be decoded"):
+        load_audio(path)
+
+
+def test_truncated_wav(tmp_path):
+    path = tmp_path / "full.wav"
+    sf.write(path, _tone(2.0, 16_000), 16_000, subtype="PCM_16")
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(path.read_bytes()[: 44 + 16_000])  # header + half a second of the announced two
+    with pytest.raises(AudioError, match="truncated: its header announces 64,000 bytes"):
+        load_audio(cut)
+
+
+def test_truncated_flac(tmp_path):
+    path = tmp_path / "full.flac"
+    sf.write(path, _tone(2.0, 16_000), 16_000)
+    cut = tmp_path / "cut.flac"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(AudioError, match="truncated or corrupt"):
+        load_audio(cut)
+
+
+def test_silence(tmp_path):
+    path = tmp_path / "silence.wav"
+    sf.write(path, np.zeros(16_000, dtype=np.float32), 16_000)
+    with pytest.raises(AudioError, match="silent"):
+        load_audio(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(AudioError, match="no such audio file"):
+        load_audio(tmp_path / "nope.wav")
+
+
+def test_resampling_uses_the_right_ratio():
+    for rate in (8_000, 22_050, 44_100, 48_000):
+        out = to_model_input(_tone(2.0, rate)[:, None], rate)
+        assert abs(len(out) - 2 * SAMPLE_RATE) <= 2
+
+
+# ---- tiny Whisper on the shared loop --------------------------------------------------------------
+
+def tiny_whisper(seed: int = 0) -> WhisperForConditionalGeneration:
+    torch.manual_seed(seed)
+    config = WhisperConfig(
+        vocab_size=TINY_V, num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=4,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_source_positions=1500, max_target_positions=448, decoder_start_token_id=TINY_V - 3,
+        pad_token_id=TINY_V - 1, eos_token_id=TINY_V - 1, bos_token_id=TINY_V - 1, init_std=0.3,
+    )
+    model = WhisperForConditionalGeneration(config).float().eval()
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=TINY_V - 3, eos_token_id=TINY_V - 1, pad_token_id=TINY_V - 1,
+        no_timestamps_token_id=TINY_V - 2, suppress_tokens=[1, 2, 3], begin_suppress_tokens=[4, 5],
+        is_multilingual=False,
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_speech_pair() -> SpeechPair:
+    target = tiny_whisper()
+    processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
+    return SpeechPair(target, layer_draft(target, (0, 1, 3)), processor, "tiny-whisper", "tiny layers [0, 1, 3]")
+
+
+def test_layer_draft_shares_weights_and_keeps_the_target_intact(tiny_speech_pair):
+    target, draft = tiny_speech_pair.target, tiny_speech_pair.draft
+    assert len(draft.model.decoder.layers) == 3 and len(target.model.decoder.layers) == 4
+    assert draft.model.decoder.layers[2].fc1.weight is target.model.decoder.layers[3].fc1.weight
+    assert [layer.self_attn.layer_idx for layer in draft.model.decoder.layers] == [0, 1, 2]
+    assert [layer.self_attn.layer_idx for layer in target.model.decoder.layers] == [0, 1, 2, 3]
+    assert draft.model.encoder is target.model.encoder
+    with pytest.raises(ValueError, match="increasing indices"):
+        layer_draft(target, (3, 1))
+
+
+@pytest.mark.parametrize("mode", ["baseline", "exact"])
+@pytest.mark.parametrize("policy", ["constant", "hf", "bass", "optimal"])
+def test_greedy_speculative_transcript_equals_target_only(tiny_speech_pair, mode, policy):
+    audio = _tone(3.0, SAMPLE_RATE)
+    cfg = SpecConfig(mode=mode, gamma_policy=policy, max_new_tokens=30)
+    reference = transcribe(tiny_speech_pair, audio, cfg, target_only=True)
+    trace = transcribe(tiny_speech_pair, audio, cfg)
+    assert trace.output_ids == reference.output_ids
+    assert len(trace.output_ids) > 0
+    assert all(t not in (1, 2, 3) for t in trace.output_ids)  # suppressed tokens never appear
+    assert trace.prompt_ids == [TINY_V - 3, TINY_V - 2]  # start + no-timestamps are the marked prompt
+
+
+def test_long_audio_is_windowed(tiny_speech_pair):
+    audio = _tone(65.0, SAMPLE_RATE)
+    trace = transcribe(tiny_speech_pair, audio, SpecConfig(mode="exact", max_new_tokens=6))
+    windows = trace.meta["windows"]
+    assert [w["start_s"] for w in windows] == [0.0, 30.0, 60.0]
+    assert windows[-1]["end_s"] == pytest.approx(65.0)
+    assert {it.window for it in trace.iterations} == {0, 1, 2}
+    assert sum(len(w["output_ids"]) for w in windows) == len(trace.output_ids)
+
+
+def test_word_error_rate_normalizes():
+    assert word_error_rate("Hello, World!", "hello world") == 0.0
+    assert word_error_rate("the cat sat down", "the cat down") == pytest.approx(0.25)
+    assert word_error_rate("it costs 11 dollars", "it costs eleven dollars") == 0.0  # Whisper-style numbers
+    with pytest.raises(ValueError, match="empty"):
+        word_error_rate("  ", "x")
+
+
+def test_speech_pair_checks_vocabulary_and_encoder():
+    from specviz.asr import check_speech_pair
+
+    target = tiny_whisper()
+    same = SimpleNamespace(tokenizer=word_tokenizer(TINY_V))
+    other = SimpleNamespace(tokenizer=word_tokenizer(TINY_V, prefix="x"))
+    with pytest.raises(ModelLoadError, match="vocabularies differ: draft 'english-only'.*target 'multi'"):
+        check_speech_pair(tiny_whisper(1), other, target, same, "english-only", "multi")
+    wide = WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=TINY_V, d_model=96, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=TINY_V - 1,
+        bos_token_id=TINY_V - 1, eos_token_id=TINY_V - 1, decoder_start_token_id=TINY_V - 3))
+    with pytest.raises(ModelLoadError, match="cannot read the target's encoder output: d_model"):
+        check_speech_pair(wide, same, target, same, "wide", "tiny")
+    check_speech_pair(tiny_whisper(2), same, target, same, "ok", "tiny")  # compatible: no error
+
+
+def test_mismatched_speech_pair_is_refused(tmp_path):
+    target_dir = tmp_path / "t"
+    tiny_whisper().save_pretrained(target_dir)
+    with pytest.raises(ModelLoadError, match="could not load the Whisper model"):
+        load_speech_pair(str(target_dir), "default", device="cpu")  # no processor saved beside the model
+
+
+# ---- the embedded Whisper base, real speech ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base_pair():
+    return load_speech_pair(device="cpu", dtype="fp32")
+
+
+@pytest.mark.real
+def test_sample_clip_wer(base_pair):
+    trace = transcribe(base_pair, load_audio(SAMPLE), SpecConfig(max_new_tokens=200), target_only=True)
+    assert word_error_rate(REFERENCE, trace.output_text) <= 0.2, trace.output_text
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("mode", ["baseline", "exact"])
+def test_sample_clip_speculative_equals_target_only(base_pair, mode):
+    audio = load_audio(SAMPLE)
+    reference = transcribe(base_pair, audio, SpecConfig(max_new_tokens=200), target_only=True)
+    trace = transcribe(base_pair, audio, SpecConfig(mode=mode, max_new_tokens=200))
+    assert trace.output_ids == reference.output_ids
+    assert trace.summary()["acceptance_rate"] > 0.4
+
+
+@pytest.mark.real
+def test_rates_and_channels_give_the_same_transcript(base_pair, tmp_path):
+    data, rate = sf.read(SAMPLE, dtype="float32")
+    base = transcribe(base_pair, load_audio(SAMPLE), SpecConfig(max_new_tokens=200), target_only=True).output_text
+    import scipy.signal
+
+    for new_rate in (8_000, 16_000, 44_100, 48_000):
+        resampled = scipy.signal.resample_poly(data, new_rate, rate).astype(np.float32)
+        for channels in (1, 2):
+            clip = resampled if channels == 1 else np.stack([resampled, 0.8 * resampled], axis=1)
+            path = tmp_path / f"clip_{new_rate}_{channels}.wav"
+            sf.write(path, clip, new_rate)
+            text = transcribe(base_pair, load_audio(path), SpecConfig(max_new_tokens=200), target_only=True).output_text
+            assert word_error_rate(base, text) <= 0.1, (new_rate, channels, text)

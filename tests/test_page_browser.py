@@ -1,0 +1,239 @@
+"""The page in a real browser: Playwright drives Debian's Chromium (headless) against `python app.py`.
+
+Text runs use tiny random models saved to local directories (typed into the page's model fields, the same
+path a user with local checkpoints takes); one test runs the embedded pair; speech uses the embedded
+Whisper base. A screenshot of each run lands in $SPECVIZ_SCREENSHOTS (default: a pytest temp dir).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from specviz.prompts import ASSETS
+from specviz.trace import Trace
+
+from conftest import perturbed_copy, tiny_qwen, word_tokenizer
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed")]
+ROOT = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT_MS = 240_000
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("page-models")
+    target = tiny_qwen(0)
+    draft = perturbed_copy(target, noise=0.03, seed=1)
+    tok = word_tokenizer()
+    for name, model in (("draft", draft), ("target", target)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return str(root / "draft"), str(root / "target")
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("app") / "app.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"app.py exited: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail(f"app.py did not start: {log.read_text()[-3000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    context = browser.new_context(viewport={"width": 1400, "height": 1800}, accept_downloads=True)
+    pg = context.new_page()
+    pg.goto(app_url)
+    pg.wait_for_selector("#run-button")
+    yield pg
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    out = Path(os.environ.get("SPECVIZ_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _use_models(pg, draft: str, target: str) -> None:
+    pg.get_by_text("Sampling, sigmoid, lenience, models").click()
+    pg.fill("#draft-model textarea", draft)
+    pg.fill("#target-model textarea", target)
+
+
+def _wait_done(pg) -> str:
+    pg.wait_for_function(
+        "() => { const s = document.querySelector('#status'); return s && /Done|⚠/.test(s.innerText); }",
+        timeout=RUN_TIMEOUT_MS)
+    return pg.inner_text("#status")
+
+
+def _run_text(pg, max_new: int = 24) -> str:
+    pg.fill("#article-input textarea", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12")
+    pg.locator("#max-new-tokens input[type=number]").fill(str(max_new))
+    pg.click("#run-button")
+    return _wait_done(pg)
+
+
+def test_summarize_shows_tokens_and_plots_then_switch_mode(page, tiny_dirs, shots):
+    _use_models(page, *tiny_dirs)
+    status = _run_text(page)
+    assert "Done" in status, status
+    assert page.locator("#token-view .sv-line").count() >= 2
+    assert page.locator("#token-view .sv-tok.sv-accepted, #token-view .sv-tok.sv-bonus").count() > 0
+    tip = page.locator("#token-view .sv-tok").first.get_attribute("title")
+    assert "p(x)=" in tip and "q(x)=" in tip and "uniform=" in tip
+    for plot in ("#gamma-plot", "#acceptance-plot", "#timing-plot", "#theory-plot"):
+        page.wait_for_selector(f"{plot} .js-plotly-plot", timeout=30_000)
+    assert "tokens/s" in page.inner_text("#run-summary")
+    page.screenshot(path=str(shots / "summarize-tiny.png"), full_page=True)
+
+    page.locator("#mode-select").get_by_text("baseline", exact=True).click()
+    page.fill("#article-input textarea", "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15")
+    page.click("#run-button")
+    status = _wait_done(page)
+    assert "Done" in status, status
+    assert "**baseline**" in page.inner_html("#run-summary") or "baseline" in page.inner_text("#run-summary")
+
+
+def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
+    _use_models(page, *tiny_dirs)
+    assert "Done" in _run_text(page)
+    before = page.inner_html("#token-view")
+    with page.expect_download() as download:
+        page.click("#export-button")
+    path = tmp_path / "trace.json"
+    download.value.save_as(path)
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 1
+    trace = Trace.load(path)  # validates every field
+    assert trace.new_tokens == 24 and trace.iterations
+
+    fresh = page.context.new_page()  # a new session: no model run, only the file
+    fresh.goto(page.url)
+    fresh.wait_for_selector("#trace-upload")
+    fresh.set_input_files("#trace-upload input[type=file]", str(path))
+    fresh.wait_for_function("() => /Loaded trace/.test(document.querySelector('#status').innerText)", timeout=60_000)
+    assert fresh.inner_html("#token-view") == before
+    fresh.wait_for_selector("#gamma-plot .js-plotly-plot", timeout=30_000)
+
+
+def test_corrupt_trace_shows_error(page, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 99}')
+    page.set_input_files("#trace-upload input[type=file]", str(bad))
+    page.wait_for_function("() => /⚠/.test(document.querySelector('#status').innerText)", timeout=60_000)
+    assert "newer" in page.inner_text("#status")
+
+
+def test_empty_article_shows_error_and_page_stays_usable(page, tiny_dirs):
+    _use_models(page, *tiny_dirs)
+    page.fill("#article-input textarea", "   ")
+    page.click("#run-button")
+    assert "article is empty" in _wait_done(page)
+    assert "Done" in _run_text(page, max_new=8)  # still usable
+
+
+def test_unloadable_model_shows_error(page):
+    _use_models(page, "/no/such/draft", "/no/such/target")
+    page.fill("#article-input textarea", "some text")
+    page.click("#run-button")
+    assert "could not load the draft model" in _wait_done(page)
+
+
+def test_compare_side_by_side(page, tiny_dirs, shots):
+    _use_models(page, *tiny_dirs)
+    page.fill("#article-input textarea", "w1 w2 w3 w4 w5 w6 w7 w8")
+    page.locator("#max-new-tokens input[type=number]").fill("16")
+    page.click("#compare-button")
+    page.wait_for_function(
+        "() => /Comparison done|⚠/.test(document.querySelector('#status').innerText)", timeout=RUN_TIMEOUT_MS)
+    table = page.inner_text("#compare-table")
+    for name in ("target-only", "baseline", "exact", "sigmoid"):
+        assert name in table
+    page.wait_for_selector("#compare-plot .js-plotly-plot", timeout=30_000)
+    assert "sigmoid vs exact" in page.inner_text("#compare-note")
+    page.screenshot(path=str(shots / "compare-tiny.png"), full_page=True)
+
+
+def test_transcribe_sample_audio(page, shots):
+    page.get_by_role("tab", name="Transcribe").click()
+    page.click("#sample-audio-button")
+    page.wait_for_selector("#audio-input audio, #audio-input .waveform-container, #audio-input button", timeout=30_000)
+    page.locator("#max-new-tokens input[type=number]").fill("96")
+    page.click("#run-button")
+    status = _wait_done(page)
+    assert "Done" in status, status
+    text = page.input_value("#output-text textarea").lower()
+    assert "small model" in text and "guesses" in text
+    assert "WER" in page.inner_text("#run-summary")
+    page.screenshot(path=str(shots / "transcribe-sample.png"), full_page=True)
+
+
+def test_non_audio_upload_shows_error(page, tmp_path):
+    page.get_by_role("tab", name="Transcribe").click()
+    fake = tmp_path / "notes.wav"
+    fake.write_text("definitely not audio\n" * 50)
+    page.set_input_files("#audio-input input[type=file]", str(fake))
+    page.click("#run-button")
+    status = _wait_done(page)
+    assert "⚠" in status and ("could not be decoded" in status or "audio" in status.lower()), status
+
+
+@pytest.mark.real
+def test_embedded_pair_summarizes_the_sample(page, shots):
+    page.click("#sample-article-button")
+    page.wait_for_function("() => document.querySelector('#article-input textarea').value.length > 200")
+    page.locator("#max-new-tokens input[type=number]").fill("48")
+    page.click("#run-button")
+    status = _wait_done(page)
+    assert "Done" in status, status
+    assert "Harbor" in page.input_value("#output-text textarea") or "bike" in page.input_value("#output-text textarea")
+    assert page.locator("#token-view .sv-tok.sv-accepted").count() > 5
+    page.screenshot(path=str(shots / "summarize-embedded.png"), full_page=True)

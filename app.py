@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -29,8 +30,13 @@ def _progress_adapter(progress: gr.Progress):
     return lambda message, fraction: progress(fraction if fraction is not None else 0.0, desc=message)
 
 
+def _stamp(message: str) -> str:
+    """Status lines carry the time, so a repeated message still reads as new."""
+    return f'<span class="sv-status">[{time.strftime("%H:%M:%S")}] {message}</span>'
+
+
 def _error(e: Exception) -> str:
-    return f'<span class="error">⚠ {type(e).__name__}: {e}</span>'
+    return _stamp(f'<span class="error">⚠ {type(e).__name__}: {e}</span>')
 
 
 def build(models: page.ModelCache) -> gr.Blocks:
@@ -69,8 +75,8 @@ def build(models: page.ModelCache) -> gr.Blocks:
                 top_p = gr.Slider(0.05, 1.0, value=1.0, label="Top-p", elem_id="top-p")
                 seed = gr.Number(0, precision=0, label="Seed", elem_id="seed")
             with gr.Row():
-                alpha = gr.Number(None, label="sigmoid α (empty: −10⁴ text, −10³ speech)", elem_id="sigmoid-alpha")
-                beta = gr.Number(None, label="sigmoid β (empty: 10⁴ text, 10³ speech)", elem_id="sigmoid-beta")
+                alpha = gr.Number(None, label="sigmoid α (0: −10⁴ text, −10³ speech)", elem_id="sigmoid-alpha")
+                beta = gr.Number(None, label="sigmoid β (0: 10⁴ text, 10³ speech)", elem_id="sigmoid-beta")
                 lenience = gr.Slider(0.05, 1.0, value=1.0, label="Lenience l (1 = exact)", elem_id="lenience")
             with gr.Row():
                 draft = gr.Textbox("default", label="Draft (default, hub id, local path; speech: layers:0,1,2,4,5)",
@@ -80,7 +86,7 @@ def build(models: page.ModelCache) -> gr.Blocks:
         with gr.Row():
             run_btn = gr.Button("Run", variant="primary", elem_id="run-button")
             compare_btn = gr.Button("Compare all modes", elem_id="compare-button")
-        status = gr.HTML("Ready.", elem_id="status")
+        status = gr.HTML('<span class="sv-status">Ready.</span>', elem_id="status")
         output = gr.Textbox(label="Output", lines=3, interactive=False, elem_id="output-text")
         summary = gr.Markdown(elem_id="run-summary")
         gr.Markdown("Each line is one iteration: accepted drafts in green, the rejected draft struck through in red, "
@@ -111,7 +117,7 @@ def build(models: page.ModelCache) -> gr.Blocks:
         def settings_from(values) -> page.Settings:
             (m, dec, temp, k, p, pol, g0, mx, sd, a, b, l, d, t) = values
             return page.Settings(m, dec, temp, int(k or 0), p, pol, int(g0 or 0), int(mx), int(sd or 0),
-                                 None if a in (None, "") else float(a), None if b in (None, "") else float(b), l,
+                                 None if a in (None, "", 0) else float(a), None if b in (None, "", 0) else float(b), l,
                                  d.strip() or "default", t.strip() or "default")
 
         def views(trace: Trace):
@@ -132,7 +138,7 @@ def build(models: page.ModelCache) -> gr.Blocks:
                     note = (f"Done: {trace.new_tokens} tokens in {len(trace.iterations)} iterations." if done else
                             f"Decoding… iteration {len(trace.iterations)}, {trace.new_tokens} tokens")
                     download = gr.DownloadButton(value=page.export(trace), interactive=True) if done else gr.DownloadButton()
-                    yield [note, trace, download, *views(trace)]
+                    yield [_stamp(note), trace, download, *views(trace)]
             except Exception as e:  # any failure is shown in the page, which stays usable
                 yield [_error(e), gr.State(), gr.DownloadButton(), *[gr.skip()] * len(view_outputs)]
 
@@ -150,7 +156,7 @@ def build(models: page.ModelCache) -> gr.Blocks:
                 table = pd.DataFrame(rows)[COMPARE_COLUMNS].round(3)
                 from specviz.viz import compare_figure
 
-                return ["Comparison done (same input and seed for every run).", table,
+                return [_stamp("Comparison done (same input and seed for every run)."), table,
                         page.sigmoid_drift(rows, traces), compare_figure(rows)]
             except Exception as e:
                 return [_error(e), gr.skip(), gr.skip(), gr.skip()]
@@ -165,8 +171,9 @@ def build(models: page.ModelCache) -> gr.Blocks:
                 trace = Trace.load(file if isinstance(file, str) else file.name)
             except (TraceFormatError, OSError) as e:
                 return [_error(e), gr.skip(), *[gr.skip()] * len(view_outputs)]
-            return [f"Loaded trace {Path(file if isinstance(file, str) else file.name).name} "
-                    f"({len(trace.iterations)} iterations; no model was run).", trace, *views(trace)]
+            name = Path(file if isinstance(file, str) else file.name).name
+            return [_stamp(f"Loaded trace {name} ({len(trace.iterations)} iterations; no model was run)."), trace,
+                    *views(trace)]
 
         trace_upload.upload(on_upload, [trace_upload], [status, trace_state, *view_outputs])
 

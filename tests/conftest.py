@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from specviz.models import ModelPair
 
@@ -39,6 +42,15 @@ def word_tokenizer(vocab_size: int = VOCAB, prefix: str = "w") -> PreTrainedToke
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<eos>")
 
 
+def save_tokenizer(tok: PreTrainedTokenizerFast, path) -> None:
+    """Save so that AutoTokenizer reloads this word-level tokenizer, not the model type's own class."""
+    tok.save_pretrained(path)
+    config_path = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config))
+
+
 def tiny_qwen(seed: int, layers: int = 2, vocab_size: int = VOCAB) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
@@ -49,15 +61,27 @@ def tiny_qwen(seed: int, layers: int = 2, vocab_size: int = VOCAB) -> Qwen2ForCa
     return Qwen2ForCausalLM(config).float().eval()
 
 
-def perturbed_copy(model: Qwen2ForCausalLM, noise: float, seed: int) -> Qwen2ForCausalLM:
+def perturbed_copy(model, noise: float, seed: int):
     """The same architecture with every weight jittered: a draft that agrees often but not always."""
-    draft = Qwen2ForCausalLM(model.config).float().eval()
+    draft = type(model)(model.config).float().eval()
     draft.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
     return draft
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    """Like tiny_qwen, but a model type whose saved directories reload our word-level tokenizer as is
+    (transformers 5 swaps in Qwen2's own tokenizer class for a qwen2 directory)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=EOS,
+        initializer_range=0.2,
+    )
+    return LlamaForCausalLM(config).float().eval()
 
 
 @pytest.fixture(scope="session")

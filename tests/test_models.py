@@ -10,7 +10,7 @@ import torch
 from specviz import models
 from specviz.models import EmbeddedGGUF, ModelLoadError, assemble_gguf, cache_dir, load_pair
 
-from conftest import tiny_qwen, word_tokenizer
+from conftest import save_tokenizer, tiny_qwen, word_tokenizer
 
 SMALL_V = 1000
 HEAD_ROWS = 1024  # padded output heads, as the real Qwen pair has (151,936 rows for 151,665 tokens)
@@ -24,7 +24,7 @@ def saved_dirs(tmp_path_factory):
     for name, seed, prefix in (("draft", 1, "w"), ("target", 2, "w"), ("alien", 3, "x")):
         path = root / name
         tiny_qwen(seed, vocab_size=HEAD_ROWS).save_pretrained(path)
-        word_tokenizer(SMALL_V, prefix).save_pretrained(path)
+        save_tokenizer(word_tokenizer(SMALL_V, prefix), path)
         out[name] = str(path)
     return out
 

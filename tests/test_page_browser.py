@@ -22,7 +22,7 @@ import pytest
 from specviz.prompts import ASSETS
 from specviz.trace import Trace
 
-from conftest import perturbed_copy, tiny_qwen, word_tokenizer
+from conftest import VOCAB, perturbed_copy, save_tokenizer, tiny_llama, word_tokenizer
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -40,12 +40,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("page-models")
-    target = tiny_qwen(0)
+    target = tiny_llama(0)
     draft = perturbed_copy(target, noise=0.03, seed=1)
-    tok = word_tokenizer()
+    tok = word_tokenizer(VOCAB - 64)  # reloading registers <eos> once more; the heads stay wider, as Qwen's do
     for name, model in (("draft", draft), ("target", target)):
         model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
+        save_tokenizer(tok, root / name)
     return str(root / "draft"), str(root / "target")
 
 
@@ -90,6 +90,7 @@ def page(browser, app_url):
     pg = context.new_page()
     pg.goto(app_url)
     pg.wait_for_selector("#run-button")
+    pg.wait_for_timeout(1000)  # Gradio hydrates after the first paint; typing earlier is lost
     yield pg
     context.close()
 
@@ -103,22 +104,37 @@ def shots(tmp_path_factory) -> Path:
 
 def _use_models(pg, draft: str, target: str) -> None:
     pg.get_by_text("Sampling, sigmoid, lenience, models").click()
-    pg.fill("#draft-model textarea", draft)
-    pg.fill("#target-model textarea", target)
+    for box, value in (("#draft-model textarea", draft), ("#target-model textarea", target)):
+        pg.wait_for_selector(box, state="visible")
+        for _ in range(5):  # the accordion's first render can reset a value typed into it
+            pg.fill(box, value)
+            pg.press(box, "Tab")  # blur: Gradio commits the value
+            pg.wait_for_timeout(200)
+            if pg.input_value(box) == value:
+                break
+        assert pg.input_value(box) == value
 
 
-def _wait_done(pg) -> str:
+def _click_and_wait(pg, button: str, pattern: str = "Done|⚠") -> str:
+    """Click, then wait for a new status line (they carry the time) that matches pattern."""
+    before = _status(pg)
+    pg.click(button)
     pg.wait_for_function(
-        "() => { const s = document.querySelector('#status'); return s && /Done|⚠/.test(s.innerText); }",
-        timeout=RUN_TIMEOUT_MS)
-    return pg.inner_text("#status")
+        "([old, pat]) => { const s = document.querySelector('#status .sv-status');"
+        " return s && s.innerText !== old && new RegExp(pat).test(s.innerText); }",
+        arg=[before, pattern], timeout=RUN_TIMEOUT_MS)
+    return _status(pg)
+
+
+def _status(pg) -> str:
+    """The status line's message (without Gradio's progress overlay)."""
+    return pg.inner_text("#status .sv-status")
 
 
 def _run_text(pg, max_new: int = 24) -> str:
     pg.fill("#article-input textarea", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12")
     pg.locator("#max-new-tokens input[type=number]").fill(str(max_new))
-    pg.click("#run-button")
-    return _wait_done(pg)
+    return _click_and_wait(pg, "#run-button")
 
 
 def test_summarize_shows_tokens_and_plots_then_switch_mode(page, tiny_dirs, shots):
@@ -127,25 +143,25 @@ def test_summarize_shows_tokens_and_plots_then_switch_mode(page, tiny_dirs, shot
     assert "Done" in status, status
     assert page.locator("#token-view .sv-line").count() >= 2
     assert page.locator("#token-view .sv-tok.sv-accepted, #token-view .sv-tok.sv-bonus").count() > 0
-    tip = page.locator("#token-view .sv-tok").first.get_attribute("title")
+    tip = page.locator("#token-view .sv-line .sv-tok").first.get_attribute("title")
     assert "p(x)=" in tip and "q(x)=" in tip and "uniform=" in tip
     for plot in ("#gamma-plot", "#acceptance-plot", "#timing-plot", "#theory-plot"):
         page.wait_for_selector(f"{plot} .js-plotly-plot", timeout=30_000)
     assert "tokens/s" in page.inner_text("#run-summary")
     page.screenshot(path=str(shots / "summarize-tiny.png"), full_page=True)
 
-    page.locator("#mode-select").get_by_text("baseline", exact=True).click()
+    page.locator("#mode-select input[value=baseline]").check()
     page.fill("#article-input textarea", "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15")
-    page.click("#run-button")
-    status = _wait_done(page)
+    status = _click_and_wait(page, "#run-button")
     assert "Done" in status, status
-    assert "**baseline**" in page.inner_html("#run-summary") or "baseline" in page.inner_text("#run-summary")
+    page.wait_for_function("() => /^baseline ·/m.test(document.querySelector('#run-summary').innerText)",
+                           timeout=30_000)
 
 
 def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
     _use_models(page, *tiny_dirs)
     assert "Done" in _run_text(page)
-    before = page.inner_html("#token-view")
+    before = page.inner_html("#token-view .sv-tokens")
     with page.expect_download() as download:
         page.click("#export-button")
     path = tmp_path / "trace.json"
@@ -159,8 +175,9 @@ def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
     fresh.goto(page.url)
     fresh.wait_for_selector("#trace-upload")
     fresh.set_input_files("#trace-upload input[type=file]", str(path))
-    fresh.wait_for_function("() => /Loaded trace/.test(document.querySelector('#status').innerText)", timeout=60_000)
-    assert fresh.inner_html("#token-view") == before
+    fresh.wait_for_function("() => /Loaded trace/.test(document.querySelector('#status .sv-status').innerText)",
+                            timeout=60_000)
+    assert fresh.inner_html("#token-view .sv-tokens") == before
     fresh.wait_for_selector("#gamma-plot .js-plotly-plot", timeout=30_000)
 
 
@@ -168,32 +185,28 @@ def test_corrupt_trace_shows_error(page, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema_version": 99}')
     page.set_input_files("#trace-upload input[type=file]", str(bad))
-    page.wait_for_function("() => /⚠/.test(document.querySelector('#status').innerText)", timeout=60_000)
-    assert "newer" in page.inner_text("#status")
+    page.wait_for_function("() => /⚠/.test(document.querySelector('#status .sv-status').innerText)", timeout=60_000)
+    assert "newer" in _status(page)
 
 
 def test_empty_article_shows_error_and_page_stays_usable(page, tiny_dirs):
     _use_models(page, *tiny_dirs)
     page.fill("#article-input textarea", "   ")
-    page.click("#run-button")
-    assert "article is empty" in _wait_done(page)
+    assert "article is empty" in _click_and_wait(page, "#run-button")
     assert "Done" in _run_text(page, max_new=8)  # still usable
 
 
 def test_unloadable_model_shows_error(page):
     _use_models(page, "/no/such/draft", "/no/such/target")
     page.fill("#article-input textarea", "some text")
-    page.click("#run-button")
-    assert "could not load the draft model" in _wait_done(page)
+    assert "could not load the draft model" in _click_and_wait(page, "#run-button")
 
 
 def test_compare_side_by_side(page, tiny_dirs, shots):
     _use_models(page, *tiny_dirs)
     page.fill("#article-input textarea", "w1 w2 w3 w4 w5 w6 w7 w8")
     page.locator("#max-new-tokens input[type=number]").fill("16")
-    page.click("#compare-button")
-    page.wait_for_function(
-        "() => /Comparison done|⚠/.test(document.querySelector('#status').innerText)", timeout=RUN_TIMEOUT_MS)
+    _click_and_wait(page, "#compare-button", "Comparison done|⚠")
     table = page.inner_text("#compare-table")
     for name in ("target-only", "baseline", "exact", "sigmoid"):
         assert name in table
@@ -207,8 +220,7 @@ def test_transcribe_sample_audio(page, shots):
     page.click("#sample-audio-button")
     page.wait_for_selector("#audio-input audio, #audio-input .waveform-container, #audio-input button", timeout=30_000)
     page.locator("#max-new-tokens input[type=number]").fill("96")
-    page.click("#run-button")
-    status = _wait_done(page)
+    status = _click_and_wait(page, "#run-button")
     assert "Done" in status, status
     text = page.input_value("#output-text textarea").lower()
     assert "small model" in text and "guesses" in text
@@ -221,8 +233,7 @@ def test_non_audio_upload_shows_error(page, tmp_path):
     fake = tmp_path / "notes.wav"
     fake.write_text("definitely not audio\n" * 50)
     page.set_input_files("#audio-input input[type=file]", str(fake))
-    page.click("#run-button")
-    status = _wait_done(page)
+    status = _click_and_wait(page, "#run-button")
     assert "⚠" in status and ("could not be decoded" in status or "audio" in status.lower()), status
 
 
@@ -231,8 +242,7 @@ def test_embedded_pair_summarizes_the_sample(page, shots):
     page.click("#sample-article-button")
     page.wait_for_function("() => document.querySelector('#article-input textarea').value.length > 200")
     page.locator("#max-new-tokens input[type=number]").fill("48")
-    page.click("#run-button")
-    status = _wait_done(page)
+    status = _click_and_wait(page, "#run-button")
     assert "Done" in status, status
     assert "Harbor" in page.input_value("#output-text textarea") or "bike" in page.input_value("#output-text textarea")
     assert page.locator("#token-view .sv-tok.sv-accepted").count() > 5

@@ -78,6 +78,8 @@ def build(models: page.ModelCache) -> gr.Blocks:
                 alpha = gr.Number(None, label="sigmoid α (0: −10⁴ text, −10³ speech)", elem_id="sigmoid-alpha")
                 beta = gr.Number(None, label="sigmoid β (0: 10⁴ text, 10³ speech)", elem_id="sigmoid-beta")
                 lenience = gr.Slider(0.05, 1.0, value=1.0, label="Lenience l (1 = exact)", elem_id="lenience")
+                confidence = gr.Slider(0.0, 0.95, value=0.0, step=0.05, elem_id="draft-confidence",
+                                       label="Stop drafting below this draft probability (0 = off)")
             with gr.Row():
                 draft = gr.Textbox("default", label="Draft (default, hub id, local path; speech: layers:0,1,2,4,5)",
                                    elem_id="draft-model")
@@ -111,14 +113,14 @@ def build(models: page.ModelCache) -> gr.Blocks:
                                    elem_id="trace-upload")
 
         settings_inputs = [mode, decoding, temperature, top_k, top_p, policy, gamma_init, max_new, seed, alpha, beta,
-                           lenience, draft, target]
+                           lenience, confidence, draft, target]
         view_outputs = [output, summary, token_view, gamma_plot, acceptance_plot, timing_plot, theory_plot]
 
         def settings_from(values) -> page.Settings:
-            (m, dec, temp, k, p, pol, g0, mx, sd, a, b, l, d, t) = values
+            (m, dec, temp, k, p, pol, g0, mx, sd, a, b, l, conf, d, t) = values
             return page.Settings(m, dec, temp, int(k or 0), p, pol, int(g0 or 0), int(mx), int(sd or 0),
                                  None if a in (None, "", 0) else float(a), None if b in (None, "", 0) else float(b), l,
-                                 d.strip() or "default", t.strip() or "default")
+                                 float(conf or 0), d.strip() or "default", t.strip() or "default")
 
         def views(trace: Trace):
             f = page.figures(trace)

@@ -74,6 +74,8 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     v.add_argument("--gamma-policy", default="hf", choices=GAMMA_POLICIES)
     v.add_argument("--gamma", type=int, default=None, help="initial γ (default: the policy's own)")
     v.add_argument("--lenience", type=float, default=1.0, help="Leviathan A.5; 1 = exact")
+    v.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="stop drafting when the draft's probability of its token is below this (0 = off)")
     v.add_argument("--sigmoid-alpha", type=float, default=None, help="default: -1e4 for text, -1e3 for speech")
     v.add_argument("--sigmoid-beta", type=float, default=None, help="default: 1e4 for text, 1e3 for speech")
 
@@ -89,6 +91,7 @@ def _config(args: argparse.Namespace, mode: str, speech: bool = False) -> SpecCo
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         lenience=args.lenience,
+        draft_confidence=args.draft_confidence,
         sigmoid_alpha=-scale if args.sigmoid_alpha is None else args.sigmoid_alpha,
         sigmoid_beta=scale if args.sigmoid_beta is None else args.sigmoid_beta,
     )
@@ -189,20 +192,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
             started.append(name)
             bar.set_postfix_str(name)
 
-        rows, _ = compare(run, cfg, extra=extra, repeat=args.repeat, on_stage=stage)
+        rows, traces = compare(run, cfg, extra=extra, repeat=args.repeat, on_stage=stage)
         bar.update(1)
-    header = f"{'run':30s} {'tok/s':>7s} {'speedup':>8s} {'α':>6s} {'tok/iter':>8s} {'verify ms':>9s}  = target-only"
+    wer = {}
+    if args.reference_file:
+        from .asr import word_error_rate
+
+        reference = Path(args.reference_file).read_text(encoding="utf-8")
+        wer = {name: word_error_rate(reference, trace.output_text) for name, trace in traces.items()}
+    header = (f"{'run':30s} {'tok/s':>7s} {'speedup':>8s} {'α':>6s} {'tok/iter':>8s} {'verify ms':>9s}  = target-only"
+              + ("    WER" if wer else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r.name:30s} {r.tokens_per_s:7.2f} {r.speedup:7.2f}× {_fmt(r.alpha, '6.3f'):>6s} "
-              f"{_fmt(r.tokens_per_iteration, '8.2f'):>8s} {_fmt(r.median_verify_ms, '9.2f'):>9s}  {'yes' if r.equals_target_only else 'no'}")
+              f"{_fmt(r.tokens_per_iteration, '8.2f'):>8s} {_fmt(r.median_verify_ms, '9.2f'):>9s}  "
+              f"{'yes' if r.equals_target_only else 'no ':13s}" + (f" {wer[r.name]:6.3f}" if wer else ""))
     dtype = str(pair.dtype).removeprefix("torch.")
     print(f"\n{names}, {dtype}, {machine.describe()}")
     if args.json:
         report = {"machine": machine.describe(), "models": names, "dtype": dtype, "input": args.input or "sample article",
                   "repeat": args.repeat, "statistic": "median run by wall time, after one untimed warm-up run",
-                  "config": cfg.to_dict(), "rows": [r.as_dict() for r in rows]}
+                  "config": cfg.to_dict(), "rows": [{**r.as_dict(), **({"wer": wer[r.name]} if wer else {})} for r in rows]}
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))
         print(f"table written to {args.json}", file=sys.stderr)
     return 0
@@ -289,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="FILE", help="write the table as JSON here")
     c.add_argument("--hf-assisted", action="store_true", help="also time transformers' generate(assistant_model=...)")
     c.add_argument("--repeat", type=int, default=1, help="rounds of all runs; each row reports its median run")
+    c.add_argument("--reference-file", help="reference transcript of an audio input: adds each run's WER")
     c.set_defaults(func=cmd_compare)
     b = sub.add_parser("bench-speech-draft", help="acceptance and speed of self-speculative Whisper drafts by layer set")
     _add_common(b, "audio")

@@ -50,8 +50,13 @@ class SpecConfig:
     lenience: float = 1.0
     sigmoid_alpha: float = -1e4
     sigmoid_beta: float = 1e4
+    # Stop drafting early when the draft's own probability of its token falls below this (0 = off), as
+    # transformers' assistant_confidence_threshold does; γ is then the most the draft may propose.
+    draft_confidence: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.draft_confidence < 1:
+            raise ValueError(f"draft confidence threshold must be in [0, 1), got {self.draft_confidence}")
         if self.mode not in MODES:
             raise ValueError(f"unknown verification mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.gamma_policy not in GAMMA_POLICIES:

@@ -146,6 +146,9 @@ def speculate(
             draft_ids.append(x)
             draft_logits.append(z)
             feed = [x]
+            if cfg.draft_confidence and float(z.float().softmax(-1)[x]) < cfg.draft_confidence:
+                break  # the draft doubts this token: later ones would likely be rejected anyway
+        gamma = len(draft_ids)
         t1 = clock.now()
         target_logits = state.target.forward(state.pending(state.target) + draft_ids, gamma + 1)
         t2 = clock.now()

@@ -45,6 +45,7 @@ class Settings:
     sigmoid_alpha: float | None = None  # None: Wagner et al.'s default for the task
     sigmoid_beta: float | None = None
     lenience: float = 1.0
+    draft_confidence: float = 0.0
     draft: str = DEFAULT
     target: str = DEFAULT
 
@@ -55,7 +56,7 @@ class Settings:
         return SpecConfig(
             mode=self.mode, sampling=sampling, gamma_policy=self.gamma_policy,
             gamma_init=int(self.gamma_init) or None, max_new_tokens=int(self.max_new_tokens), seed=int(self.seed),
-            lenience=self.lenience,
+            lenience=self.lenience, draft_confidence=self.draft_confidence,
             sigmoid_alpha=-scale if self.sigmoid_alpha is None else self.sigmoid_alpha,
             sigmoid_beta=scale if self.sigmoid_beta is None else self.sigmoid_beta,
         )

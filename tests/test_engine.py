@@ -110,3 +110,11 @@ def test_token_limit_is_exact(tiny_pair, prompt_ids):
 def test_empty_prompt_is_refused(tiny_pair):
     with pytest.raises(ValueError, match="empty"):
         run_speculative(tiny_pair, [], SpecConfig())
+
+
+def test_draft_confidence_stops_drafting_early_and_stays_exact(tiny_pair, prompt_ids, reference):
+    cfg = SpecConfig(mode="exact", gamma_policy="constant", gamma_init=8, max_new_tokens=MAX_NEW, draft_confidence=0.9)
+    trace = run_speculative(tiny_pair, prompt_ids, cfg)
+    assert trace.output_ids == reference.output_ids
+    assert any(it.gamma < 8 for it in trace.iterations[:-1])  # some drafts ended on a doubtful token
+    assert all(1 <= it.gamma <= 8 for it in trace.iterations)

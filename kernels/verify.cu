@@ -116,12 +116,13 @@ __device__ __forceinline__ void sv_merge(float& m, float& s, float m2, float s2)
     s = 0.0f;
     return;
   }
-  s = s * expf(m - M) + s2 * expf(m2 - M);  // a side at -inf contributes s·exp(-inf) = 0
+  // A side at -inf contributes s·exp(-inf) = 0. Unfused, so that merge(a, b) == merge(b, a) bitwise.
+  s = __fadd_rn(__fmul_rn(s, expf(m - M)), __fmul_rn(s2, expf(m2 - M)));
   m = M;
 }
 
-// Every lane of the warp ends with the merge of all 32 pairs (bitwise the same on every lane: the
-// merge is symmetric in its two arguments).
+// Every lane of the warp ends with the merge of all 32 pairs, bitwise the same on every lane (the merge
+// is symmetric in its two arguments).
 __device__ __forceinline__ void sv_warp_merge(float& m, float& s) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {

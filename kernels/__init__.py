@@ -305,7 +305,7 @@ def _prepare(
     )
     ctx = logits + (
         _ptr(tokens), _ptr(u), _ptr(u_res), i32(B), i32(gamma), i64(V),
-        f32(scale), f32(lenience), f32(sigmoid_alpha), f32(sigmoid_beta - sigmoid_alpha),  # β - α in double, like torch
+        f32(scale), f32(lenience), f32(sigmoid_alpha), f32(1.0 / (sigmoid_beta - sigmoid_alpha)),  # as torch on CUDA
         out_i64, out_f32,
     )
     if mode == "exact":

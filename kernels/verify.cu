@@ -29,9 +29,15 @@
 // the first token whose cumulative residual exceeds goal - (mass before the chunk), clamped likewise.
 // Only entries with positive mass are ever picked.
 //
-// Arithmetic that decides outcomes uses the same fp32 operations as torch, unfused (__fmul_rn etc.), so
-// per-element probabilities match torch's bit for bit given the same normalizer; sums are accumulated in
-// a different order, so near-ties can fall differently.
+// State: counters [B] (ticket per batch row) and, for sigmoid, error words [B, 2γ+1] must be zero before
+// a launch; the last block of each batch row sets its entries back to zero, so one zeroed buffer serves
+// every later call on the same stream. Workspace (partials, masses) needs no initialization.
+//
+// Arithmetic that decides outcomes repeats torch's fp32 operations on CUDA, unfused (__fmul_rn etc.):
+// scale·z, z - L, exp, l·q, p / (l·q), p - w·q, and for sigmoid (z - α)·fp32(1/(β - α)) (torch divides by a
+// Python scalar as a multiplication by its reciprocal) and 1 / (1 + exp(-t)). Per-element probabilities
+// therefore match torch's bit for bit given the same normalizer; sums run in a different order, so
+// near-ties can fall differently. SPECVIZ_EMULATE is defined only by the CPU emulator in the tests.
 //
 // Rules kept throughout: every __syncthreads / __syncthreads_or is reached by all threads of the block
 // (the only early exit is the block-uniform "not the last block" return); warp shuffles run with all 32
@@ -93,12 +99,14 @@ struct sv_bf16 {
 // Probabilities, exactly as torch computes them (tiled.py `_Probs.__call__`)
 // ------------------------------------------------------------------------------------------------
 
-// exact: exp(scale·x - L); sigmoid: 1 / (1 + exp(-((scale·x - α) / (β - α)))), den = β - α.
+// exact: exp(scale·x - L); sigmoid: 1 / (1 + exp(-((scale·x - α) / (β - α)))). torch on CUDA divides a
+// tensor by a Python scalar as a multiplication by the reciprocal, rounded to fp32 from double, so the
+// wrapper passes inv_den = fp32(1 / (β - α)) and this multiplies.
 template <bool SIG>
-__device__ __forceinline__ float sv_prob(float x, float scale, float L, float alpha, float den) {
+__device__ __forceinline__ float sv_prob(float x, float scale, float L, float alpha, float inv_den) {
   const float z = __fmul_rn(x, scale);
   if (SIG) {
-    const float t = __fdiv_rn(__fsub_rn(z, alpha), den);
+    const float t = __fmul_rn(__fsub_rn(z, alpha), inv_den);
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-t)));
   }
   return expf(__fsub_rn(z, L));
@@ -198,7 +206,7 @@ struct sv_ctx {
   const float* u_res;    // [B]
   int B, gamma;
   sv_i64 V;
-  float scale, lenience, alpha, den;
+  float scale, lenience, alpha, inv_den;
   sv_i64* out_i64;  // [n_accepted (B) | next_token (B) | errors (5·B)]
   float* out_f32;   // [accept_prob | p_draft | q_draft | uniforms], B·γ each
 
@@ -220,9 +228,9 @@ template <class D, bool SIG>
 __device__ __forceinline__ float sv_residual_at(const sv_ctx<D>& x, const typename D::T* prow,
                                                 const typename D::T* qrow, sv_i64 i, float Lp, float Lq,
                                                 float w) {
-  const float p = sv_prob<SIG>(D::load(prow, i), x.scale, Lp, x.alpha, x.den);
+  const float p = sv_prob<SIG>(D::load(prow, i), x.scale, Lp, x.alpha, x.inv_den);
   float wq = 0.0f;
-  if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(D::load(qrow, i), x.scale, Lq, x.alpha, x.den));
+  if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(D::load(qrow, i), x.scale, Lq, x.alpha, x.inv_den));
   return fmaxf(__fsub_rn(p, wq), 0.0f);
 }
 
@@ -243,8 +251,8 @@ __device__ __forceinline__ void sv_accept(const sv_ctx<D>& x, int b, const float
     }
     const float lp = SIG ? 0.0f : L[j];
     const float lq = SIG ? 0.0f : L[x.gamma + 1 + j];
-    const float px = sv_prob<SIG>(D::load(x.prow(b, j), tok), x.scale, lp, x.alpha, x.den);
-    const float qx = sv_prob<SIG>(D::load(x.qrow(b, j), tok), x.scale, lq, x.alpha, x.den);
+    const float px = sv_prob<SIG>(D::load(x.prow(b, j), tok), x.scale, lp, x.alpha, x.inv_den);
+    const float qx = sv_prob<SIG>(D::load(x.qrow(b, j), tok), x.scale, lq, x.alpha, x.inv_den);
     const float ratio = __fdiv_rn(px, __fmul_rn(x.lenience, qx));
     const sv_i64 o = (sv_i64)b * x.gamma + j;
     const bool accepted = ok && x.u[o] <= ratio;  // NaN (0/0) compares false: rejected
@@ -277,9 +285,9 @@ __device__ __forceinline__ void sv_chunk_mass(const sv_ctx<D>& x, const typename
     for (int k = 0; k < SV_UNROLL; ++k) {
       const sv_i64 col = i + (sv_i64)k * SV_THREADS;
       if (col < end) {
-        const float p = sv_prob<SIG>(zp[k], x.scale, Lp, x.alpha, x.den);
+        const float p = sv_prob<SIG>(zp[k], x.scale, Lp, x.alpha, x.inv_den);
         float wq = 0.0f;
-        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(zq[k], x.scale, Lq, x.alpha, x.den));
+        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(zq[k], x.scale, Lq, x.alpha, x.inv_den));
         rsum += fmaxf(__fsub_rn(p, wq), 0.0f);
         psum += p;
       }
@@ -607,9 +615,9 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
       }
       const sv_i64 col = i + (sv_i64)k * SV_THREADS;
       if (role && col < end) {
-        const float p = sv_prob<true>(xv, x.scale, 0.0f, x.alpha, x.den);
+        const float p = sv_prob<true>(xv, x.scale, 0.0f, x.alpha, x.inv_den);
         float wq = 0.0f;
-        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<true>(D::load(qrow, col), x.scale, 0.0f, x.alpha, x.den));
+        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<true>(D::load(qrow, col), x.scale, 0.0f, x.alpha, x.inv_den));
         rsum += fmaxf(__fsub_rn(p, wq), 0.0f);
         psum += p;
       }
@@ -656,7 +664,7 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
 #define SV_CTX_PARAMS                                                                              \
   const TT *zp, sv_i64 p_sb, sv_i64 p_sr, const TT *zq, sv_i64 q_sb, sv_i64 q_sr,                  \
       const sv_i64 *tokens, const float *u, const float *u_res, int B, int gamma, sv_i64 V,        \
-      float scale, float lenience, float alpha, float den, sv_i64 *out_i64, float *out_f32
+      float scale, float lenience, float alpha, float inv_den, sv_i64 *out_i64, float *out_f32
 
 #define SV_FILL_CTX(DT)                                                                            \
   sv_ctx<DT> x;                                                                                    \
@@ -675,7 +683,7 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
   x.scale = scale;                                                                                 \
   x.lenience = lenience;                                                                           \
   x.alpha = alpha;                                                                                 \
-  x.den = den;                                                                                     \
+  x.inv_den = inv_den;                                                                             \
   x.out_i64 = out_i64;                                                                             \
   x.out_f32 = out_f32;
 

@@ -41,3 +41,65 @@ def speech_draft_layers(pair, audio: np.ndarray, layer_sets: list[tuple[int, ...
     finally:
         pair.draft = original
     return rows
+
+
+def _time_call(fn: Callable[[], object], device: "torch.device", warmup: int, iters: int) -> float:
+    """Median microseconds per call: CUDA events on a GPU, perf_counter on the CPU; warm-up excluded."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000), gammas=(1, 5, 10, 20),
+                      batches=(1, 8), dtypes=("fp16", "fp32"), warmup: int = 10, iters: int = 50,
+                      on_case: Callable[[dict], None] | None = None) -> list[dict]:
+    """µs per verification call for each mode and path (torch; CuPy kernels where they run), with the byte
+    floor (γ+1)·V·s + γ·V·s and the bandwidth that time implies."""
+    import torch
+
+    from .config import SamplingConfig
+    from .verify import kernels_active, verify
+
+    sampling = SamplingConfig(temperature=1.0)
+    backends = ["torch"] + (["cuda"] if device.type == "cuda" and kernels_active() else [])
+    rows = []
+    for V in vocabs:
+        for B in batches:
+            for gamma in gammas:
+                for dt in dtypes:
+                    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dt]
+                    g = torch.Generator(device=device).manual_seed(0)
+                    target = torch.randn(B, gamma + 1, V, device=device, generator=g).to(dtype) * 3
+                    draft = (target[:, :gamma].float() + torch.randn(B, gamma, V, device=device, generator=g)).to(dtype)
+                    tokens = torch.randint(0, V, (B, gamma), device=device, generator=g)
+                    floor = (2 * gamma + 1) * V * B * target.element_size()
+                    for mode in ("baseline", "exact", "sigmoid"):
+                        for backend in backends:
+                            if mode == "baseline" and backend == "cuda":
+                                continue
+                            us = _time_call(lambda: verify(mode, tokens, draft, target, sampling, g, backend=backend),
+                                            device, warmup, iters)
+                            row = {"V": V, "B": B, "gamma": gamma, "dtype": dt, "mode": mode,
+                                   "path": "kernel" if backend == "cuda" else "torch", "median_us": us,
+                                   "floor_bytes": floor, "achieved_GBps": floor / us / 1e3}
+                            rows.append(row)
+                            if on_case:
+                                on_case(row)
+    return rows

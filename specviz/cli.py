@@ -74,6 +74,8 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     v.add_argument("--gamma-policy", default="hf", choices=GAMMA_POLICIES)
     v.add_argument("--gamma", type=int, default=None, help="initial γ (default: the policy's own)")
     v.add_argument("--lenience", type=float, default=1.0, help="Leviathan A.5; 1 = exact")
+    v.add_argument("--verify-backend", default="auto", choices=["auto", "torch", "cuda"],
+                   help="auto: CuPy kernels for exact/sigmoid on CUDA when they work; torch: never")
     v.add_argument("--draft-confidence", type=float, default=0.0,
                    help="stop drafting when the draft's probability of its token is below this (0 = off)")
     v.add_argument("--sigmoid-alpha", type=float, default=None, help="default: -1e4 for text, -1e3 for speech")
@@ -92,6 +94,7 @@ def _config(args: argparse.Namespace, mode: str, speech: bool = False) -> SpecCo
         seed=args.seed,
         lenience=args.lenience,
         draft_confidence=args.draft_confidence,
+        verify_backend=args.verify_backend,
         sigmoid_alpha=-scale if args.sigmoid_alpha is None else args.sigmoid_alpha,
         sigmoid_beta=scale if args.sigmoid_beta is None else args.sigmoid_beta,
     )
@@ -280,6 +283,27 @@ def cmd_bench_speech_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import verify_microbench
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"{'V':>7s} {'B':>2s} {'γ':>3s} {'dtype':5s} {'mode':8s} {'path':6s} {'µs':>10s} {'floor MB':>9s} {'GB/s':>7s}")
+
+    def show(r: dict) -> None:
+        print(f"{r['V']:7d} {r['B']:2d} {r['gamma']:3d} {r['dtype']:5s} {r['mode']:8s} {r['path']:6s} "
+              f"{r['median_us']:10.1f} {r['floor_bytes'] / 1e6:9.2f} {r['achieved_GBps']:7.1f}", flush=True)
+
+    rows = verify_microbench(device, vocabs=args.vocab, gammas=args.gamma, batches=args.batch, dtypes=args.dtype,
+                             warmup=args.warmup, iters=args.iters, on_case=show)
+    print(f"\n{machine.describe()}; median of {args.iters} calls after {args.warmup} warm-up calls")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine.describe(), "device": str(device),
+                                               "warmup": args.warmup, "iters": args.iters, "rows": rows}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specviz", description="Speculative decoding you can watch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -310,6 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=3)
     b.add_argument("--json", metavar="FILE")
     b.set_defaults(func=cmd_bench_speech_draft)
+    bv = sub.add_parser("bench-verify", help="µs per verification call: modes × paths × V × γ × B × dtype")
+    bv.add_argument("--device", default=None)
+    bv.add_argument("--vocab", type=int, nargs="+", default=[51_865, 151_936, 256_000])
+    bv.add_argument("--gamma", type=int, nargs="+", default=[1, 5, 10, 20])
+    bv.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    bv.add_argument("--dtype", nargs="+", default=["fp16", "fp32"], choices=["fp16", "bf16", "fp32"])
+    bv.add_argument("--warmup", type=int, default=10)
+    bv.add_argument("--iters", type=int, default=50)
+    bv.add_argument("--json", metavar="FILE")
+    bv.set_defaults(func=cmd_bench_verify)
     return parser
 
 

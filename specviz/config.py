@@ -53,6 +53,7 @@ class SpecConfig:
     # Stop drafting early when the draft's own probability of its token falls below this (0 = off), as
     # transformers' assistant_confidence_threshold does; γ is then the most the draft may propose.
     draft_confidence: float = 0.0
+    verify_backend: str = "auto"  # "torch" forces the torch path where the CUDA kernels would run
 
     def __post_init__(self) -> None:
         if not 0 <= self.draft_confidence < 1:

@@ -155,6 +155,7 @@ def speculate(
         result = verify(
             cfg.mode, torch.tensor([draft_ids], device=device), torch.stack(draft_logits)[None], target_logits[None],
             cfg.sampling, generator, lenience=cfg.lenience, sigmoid_alpha=cfg.sigmoid_alpha, sigmoid_beta=cfg.sigmoid_beta,
+            backend=cfg.verify_backend,
         )
         n, next_id = int(result.n_accepted[0]), int(result.next_token[0])
         t3 = clock.now()

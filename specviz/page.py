@@ -25,6 +25,7 @@ from .engine import run_speculative
 from .models import DEFAULT, ModelPair, Progress, load_pair
 from .prompts import InputError, max_prompt_tokens, summarization_prompt
 from .trace import IterationRecord, Trace
+from .verify import kernels_active
 
 TEXT, SPEECH = "summarize", "transcribe"
 
@@ -88,7 +89,8 @@ class ModelCache:
 
 def device_summary() -> str:
     if torch.cuda.is_available():
-        return f"GPU: {torch.cuda.get_device_name(0)} · verification kernels: torch path (CuPy kernels not built yet)"
+        kernels = "CuPy kernels active" if kernels_active() else "torch path (CuPy kernels unavailable)"
+        return f"GPU: {torch.cuda.get_device_name(0)} · verification: {kernels}"
     return f"CPU ({torch.get_num_threads()} threads) · verification: torch path"
 
 

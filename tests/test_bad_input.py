@@ -114,3 +114,14 @@ def test_cli_missing_and_binary_files(tmp_path, capsys):
     binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
     assert cli.main(["generate", str(binary)]) == 2
     assert "not UTF-8 text" in capsys.readouterr().err
+
+
+def test_verify_backend_choices():
+    args = (torch.zeros(1, 2, dtype=torch.long), torch.randn(1, 2, 10), torch.randn(1, 3, 10), SamplingConfig(temperature=1.0))
+    with pytest.raises(ValueError, match="unknown verification backend"):
+        verify("exact", *args, backend="tpu")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        verify("exact", *args, backend="cuda")  # CPU tensors: the kernels cannot take them
+    forced = verify("exact", *args, generator=torch.Generator().manual_seed(3), backend="torch")
+    auto = verify("exact", *args, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(forced.n_accepted, auto.n_accepted) and torch.equal(forced.next_token, auto.next_token)

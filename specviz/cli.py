@@ -12,7 +12,7 @@ from tqdm import tqdm
 from . import machine
 from .audio import AudioError, load_audio
 from .compare import compare, hf_assisted_runs, text_runner
-from .config import GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig
+from .config import GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range
 from .engine import run_speculative
 from .models import DEFAULT, ModelLoadError, ModelPair, load_pair
 from .prompts import InputError, max_prompt_tokens, sample_article, summarization_prompt
@@ -84,7 +84,7 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
 
 def _config(args: argparse.Namespace, mode: str, speech: bool = False) -> SpecConfig:
     """Settings from the command line; sigmoid α/β default to Wagner et al.'s value for the task."""
-    scale = 1e3 if speech else 1e4
+    scale = default_sigmoid_range(speech)
     return SpecConfig(
         mode=mode,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),

@@ -37,6 +37,11 @@ class SamplingConfig:
         return not self.greedy and self.top_k == 0 and self.top_p == 1.0
 
 
+def default_sigmoid_range(speech: bool) -> float:
+    """Wagner et al.'s |α| = β: 10³ for speech, 10⁴ for text."""
+    return 1e3 if speech else 1e4
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Everything that decides one speculative run besides the models and the input."""

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from .config import SpecConfig
+from .machine import device_name
 from .gamma import Feedback, make_policy
 from .models import ModelPair
 from .sampling import check_logits, draw
@@ -212,7 +213,7 @@ def _meta(pair: ModelPair, cfg: SpecConfig, mode: str) -> dict:
         "config": cfg.to_dict(),
         "draft": pair.draft_name,
         "target": pair.target_name,
-        "device": str(pair.device) if pair.device.type != "cuda" else torch.cuda.get_device_name(pair.device),
+        "device": device_name(pair.device),
         "dtype": str(pair.dtype).removeprefix("torch."),
         "vocab_size": pair.vocab_size,
     }

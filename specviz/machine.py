@@ -8,6 +8,11 @@ import platform
 import torch
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name on CUDA, else the device string ('cpu')."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
 def describe() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"

@@ -20,7 +20,7 @@ import torch
 from . import viz
 from .audio import load_audio
 from .compare import compare, text_runner
-from .config import SamplingConfig, SpecConfig
+from .config import SamplingConfig, SpecConfig, default_sigmoid_range
 from .engine import run_speculative
 from .models import DEFAULT, ModelPair, Progress, load_pair
 from .prompts import InputError, max_prompt_tokens, summarization_prompt
@@ -51,7 +51,7 @@ class Settings:
     target: str = DEFAULT
 
     def spec(self, task: str) -> SpecConfig:
-        scale = 1e3 if task == SPEECH else 1e4
+        scale = default_sigmoid_range(task == SPEECH)
         sampling = SamplingConfig() if self.decoding == "greedy" else SamplingConfig(
             self.temperature, int(self.top_k), self.top_p)
         return SpecConfig(

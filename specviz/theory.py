@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Expected tokens per iteration, (1 - α^{γ+1}) / (1 - α) (Leviathan eq. 1); γ + 1 when α = 1."""
@@ -21,7 +19,3 @@ def optimal_gamma(alpha: float, c: float, max_gamma: int = 32) -> int:
     """The γ in 1..max_gamma that maximizes the walltime factor (Leviathan §3.5)."""
     return max(range(1, max_gamma + 1), key=lambda g: walltime_factor(alpha, g, c))
 
-
-def alpha_from_distributions(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """α = Σ_x min(p(x), q(x)) = 1 - D_LK(p, q) (Leviathan Theorem 3.5), along the last dim."""
-    return torch.minimum(p, q).sum(dim=-1)

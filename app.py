@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import html
 import os
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ def _stamp(message: str) -> str:
 
 
 def _error(e: Exception) -> str:
-    return _stamp(f'<span class="error">⚠ {type(e).__name__}: {e}</span>')
+    return _stamp(f'<span class="error">⚠ {type(e).__name__}: {html.escape(str(e))}</span>')
 
 
 def build(models: page.ModelCache) -> gr.Blocks:
@@ -53,6 +54,8 @@ def build(models: page.ModelCache) -> gr.Blocks:
                                      placeholder="Paste an article to summarize…")
                 with gr.Row():
                     sample_text_btn = gr.Button("Load the sample article", elem_id="sample-article-button")
+                    sequences = gr.Slider(1, 8, value=1, step=1, label="Sequences (samples decoded together as one "
+                                          "batch; more than 1 needs sampling)", elem_id="num-sequences")
                     reference_summary = gr.Textbox(label="Reference summary (optional, for ROUGE-1)", lines=2,
                                                    elem_id="reference-summary")
             with gr.Tab("Transcribe", id="tab-transcribe", elem_id="tab-transcribe") as tab_speech:
@@ -65,7 +68,8 @@ def build(models: page.ModelCache) -> gr.Blocks:
         with gr.Row():
             mode = gr.Radio(list(MODES), value="exact", label="Verification mode", elem_id="mode-select")
             decoding = gr.Radio(["greedy", "sample"], value="greedy", label="Decoding", elem_id="decoding-select")
-            policy = gr.Dropdown(list(GAMMA_POLICIES), value="hf", label="γ policy", elem_id="gamma-policy")
+            policy = gr.Dropdown([("auto (bass for a batch, else hf)", "auto"), *[(p, p) for p in GAMMA_POLICIES]],
+                                 value="auto", label="γ policy", elem_id="gamma-policy")
             gamma_init = gr.Number(0, precision=0, label="Initial γ (0 = policy default)", elem_id="gamma-init")
             max_new = gr.Slider(8, 256, value=96, step=8, label="Max new tokens", elem_id="max-new-tokens")
         with gr.Accordion("Sampling, sigmoid, lenience, models", open=False):
@@ -99,6 +103,7 @@ def build(models: page.ModelCache) -> gr.Blocks:
             gamma_plot = gr.Plot(elem_id="gamma-plot", show_label=False)
             timing_plot = gr.Plot(elem_id="timing-plot", show_label=False)
         acceptance_plot = gr.Plot(elem_id="acceptance-plot", show_label=False)
+        batch_plot = gr.Plot(elem_id="batch-plot", show_label=False)
         theory_plot = gr.Plot(elem_id="theory-plot", show_label=False)
 
         gr.Markdown("## Compare modes")
@@ -113,18 +118,19 @@ def build(models: page.ModelCache) -> gr.Blocks:
                                    elem_id="trace-upload")
 
         settings_inputs = [mode, decoding, temperature, top_k, top_p, policy, gamma_init, max_new, seed, alpha, beta,
-                           lenience, confidence, draft, target]
-        view_outputs = [output, summary, token_view, gamma_plot, acceptance_plot, timing_plot, theory_plot]
+                           lenience, confidence, draft, target, sequences]
+        view_outputs = [output, summary, token_view, gamma_plot, acceptance_plot, timing_plot, theory_plot, batch_plot]
 
         def settings_from(values) -> page.Settings:
-            (m, dec, temp, k, p, pol, g0, mx, sd, a, b, l, conf, d, t) = values
+            (m, dec, temp, k, p, pol, g0, mx, sd, a, b, l, conf, d, t, n) = values
             return page.Settings(m, dec, temp, int(k or 0), p, pol, int(g0 or 0), int(mx), int(sd or 0),
                                  None if a in (None, "", 0) else float(a), None if b in (None, "", 0) else float(b), l,
-                                 float(conf or 0), d.strip() or "default", t.strip() or "default")
+                                 float(conf or 0), d.strip() or "default", t.strip() or "default", int(n or 1))
 
         def views(trace: Trace):
             f = page.figures(trace)
-            return [f["output"], f["summary"], f["tokens"], f["gamma"], f["acceptance"], f["timing"], f["theory"]]
+            return [f["output"], f["summary"], f["tokens"], f["gamma"], f["acceptance"], f["timing"], f["theory"],
+                    f["batch"]]
 
         def on_run(task, article_text, audio_path, ref_summary, ref_transcript, *values, progress=gr.Progress()):
             try:
@@ -137,8 +143,8 @@ def build(models: page.ModelCache) -> gr.Blocks:
                 for trace, done in stream:
                     if done and task == page.TEXT and (ref_summary or "").strip():
                         trace.meta["rouge1"] = page.rouge1(ref_summary, trace.output_text)
-                    note = (f"Done: {trace.new_tokens} tokens in {len(trace.iterations)} iterations." if done else
-                            f"Decoding… iteration {len(trace.iterations)}, {trace.new_tokens} tokens")
+                    note = (f"Done: {trace.new_tokens} tokens in {len(trace.steps)} iterations." if done else
+                            f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens")
                     download = gr.DownloadButton(value=page.export(trace), interactive=True) if done else gr.DownloadButton()
                     yield [_stamp(note), trace, download, *views(trace)]
             except Exception as e:  # any failure is shown in the page, which stays usable
@@ -169,13 +175,15 @@ def build(models: page.ModelCache) -> gr.Blocks:
         def on_upload(file):
             if file is None:
                 return [gr.skip()] * (2 + len(view_outputs))
+            path = file if isinstance(file, str) else file.name
             try:
-                trace = Trace.load(file if isinstance(file, str) else file.name)
-            except (TraceFormatError, OSError) as e:
+                trace = Trace.load(path)
+                drawn = views(trace)  # inside the try: a trace that loads but cannot be drawn is refused too
+            except (TraceFormatError, OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
                 return [_error(e), gr.skip(), *[gr.skip()] * len(view_outputs)]
-            name = Path(file if isinstance(file, str) else file.name).name
-            return [_stamp(f"Loaded trace {name} ({len(trace.iterations)} iterations; no model was run)."), trace,
-                    *views(trace)]
+            name = Path(path).name
+            return [_stamp(f"Loaded trace {html.escape(name)} ({len(trace.steps)} iterations; no model was run)."), trace,
+                    *drawn]
 
         trace_upload.upload(on_upload, [trace_upload], [status, trace_state, *view_outputs])
 

@@ -1,6 +1,7 @@
 """specviz: speculative decoding you can watch.
 
-models → engine → trace → figures → page. `verify` is the public verification interface.
+models → engine → records → trace → figures → page. `verify` is the public verification interface;
+`runs.run` decodes a source (text or speech, one sequence or a batch) into a trace.
 """
 
 from .config import SamplingConfig, SpecConfig

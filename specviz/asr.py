@@ -1,6 +1,6 @@
-"""Speech: speculative Whisper transcription on the shared engine.
+"""Speech: Whisper on the shared driver. Each 30 s window of each clip is one sequence of the batch.
 
-The encoder runs once per 30 s window; both decoders read its output. The embedded draft is
+The encoder runs once per window; both decoders read its output. The embedded draft is
 self-speculative: a shallower decoder made of some of the target's own decoder layers (weights shared,
 not copied), the way Distil-Whisper initializes its students. A separate assistant (e.g.
 distil-whisper/distil-small.en for openai/whisper-small.en) works too, reusing the target's encoder output.
@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache, WhisperForConditionalGeneration, WhisperProcessor
 
 from .audio import SAMPLE_RATE, windows
-from .config import SpecConfig
-from .engine import DecodeState, Stopwatch, Vocabulary, autoregressive, speculate
+from .engine import SequenceSpec, SlottedDecoder, Vocabulary
 from .machine import device_name
 from .models import DEFAULT, ModelLoadError, Progress, _silent
-from .trace import IterationRecord, Trace
 from .whisper_ct2 import load_whisper
 
 # Chosen by measurement on the sample clip (docs/benchmarks.md, "Speech"): base without its fourth decoder
@@ -132,44 +128,41 @@ def load_speech_pair(
     return SpeechPair(t_model, d_model, processor, t_name, draft)
 
 
-class WhisperDecoder:
-    """One Whisper decoder on a fixed encoder output, with its own self-attention cache.
+class WhisperDecoder(SlottedDecoder):
+    """One Whisper decoder over a batch of encoder outputs, with its own self-attention cache.
 
-    Applies the generation config's suppress lists (begin-suppress only where the first new token is
-    predicted), so draft, target and the reference all see the same standardized logits.
+    Applies the generation config's suppress lists (begin-suppress only where a row predicts its first new
+    token), so draft, target and the reference all see the same standardized logits.
     """
+
+    shares_identical_prompts = False  # every window's cross-attention cache is its own
 
     def __init__(self, model: WhisperForConditionalGeneration, encoder_out: torch.Tensor, prompt_len: int,
                  suppress: list[int], begin_suppress: list[int]):
-        self.model, self.encoder_out, self.prompt_len = model, encoder_out, prompt_len
-        self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        self.cached = 0
+        self.model, self.prompt_len = model, prompt_len
+        self.encoder_out = encoder_out  # [B, frames, d_model]: shared with the other decoder, read-only
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=model.device)
         self.begin_suppress = torch.tensor(begin_suppress, dtype=torch.long, device=model.device)
+        super().__init__(encoder_out.shape[0], model.device)
 
-    def length(self) -> int:
-        return self.cached
+    def _new_cache(self) -> EncoderDecoderCache:
+        return EncoderDecoderCache(DynamicCache(), DynamicCache())
 
-    def forward(self, ids: list[int], keep: int) -> torch.Tensor:
-        device = self.model.device
-        positions = torch.arange(self.cached, self.cached + len(ids), device=device)
-        out = self.model(
-            decoder_input_ids=torch.tensor([ids], device=device), encoder_outputs=(self.encoder_out,),
-            past_key_values=self.cache, use_cache=True, cache_position=positions,
-        )
-        self.cached += len(ids)
-        logits = out.logits[0, -keep:].float()
+    def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
+        encoder_out = self.encoder_out if len(rows) == self.encoder_out.shape[0] else self.encoder_out[rows]
+        out = self.model(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,),
+                         decoder_attention_mask=attention_mask, decoder_position_ids=position_ids,
+                         past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -keep:].float()  # [b, keep, V]
         if len(self.suppress):
-            logits[:, self.suppress] = float("-inf")
-        first = self.prompt_len - 1 - (self.cached - keep)  # row that predicts the first new token
-        if 0 <= first < keep and len(self.begin_suppress):
-            logits[first, self.begin_suppress] = float("-inf")
+            logits[..., self.suppress] = float("-inf")
+        if len(self.begin_suppress):
+            first = (position_ids[:, -keep:] == self.prompt_len - 1)[..., None]  # column predicts the first new token
+            logits[..., self.begin_suppress] = logits[..., self.begin_suppress].masked_fill(first, float("-inf"))
         return logits
 
-    def crop(self, length: int) -> None:
-        if self.cached > length:
-            self.cache.crop(length - self.cached)
-            self.cached = length
+    def _select_rows(self, index: torch.Tensor) -> None:
+        self.encoder_out = self.encoder_out.index_select(0, index)
 
 
 def decoder_prompt(processor: WhisperProcessor, model: WhisperForConditionalGeneration, language: str | None) -> list[int]:
@@ -186,68 +179,53 @@ def decoder_prompt(processor: WhisperProcessor, model: WhisperForConditionalGene
     return ids
 
 
-def _vocabulary(pair: SpeechPair) -> Vocabulary:
-    tok = pair.processor.tokenizer
-    return Vocabulary(lambda t: tok.decode(t), frozenset({pair.target.generation_config.eos_token_id}))
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
 
-@torch.inference_mode()
-def transcribe(
-    pair: SpeechPair,
-    audio: np.ndarray,
-    cfg: SpecConfig,
-    *,
-    language: str | None = "en",
-    target_only: bool = False,
-    on_iteration: Callable[[IterationRecord, Trace], None] | None = None,
-    meta: dict | None = None,
-) -> Trace:
-    """Transcribe 16 kHz mono audio window by window; speculative unless target_only."""
-    device, gc = pair.device, pair.target.generation_config
-    clock = Stopwatch(device)
-    vocab = _vocabulary(pair)
-    prompt = decoder_prompt(pair.processor, pair.target, language)
-    suppress, begin = list(gc.suppress_tokens or []), list(gc.begin_suppress_tokens or [])
-    trace = Trace(
-        meta={"mode": "target-only" if target_only else cfg.mode, "task": "transcribe", "config": cfg.to_dict(),
-              "draft": pair.draft_name, "target": pair.target_name, "device": device_name(device),
-              "dtype": str(pair.dtype).removeprefix("torch."), "vocab_size": pair.vocab_size,
-              "audio_seconds": len(audio) / SAMPLE_RATE, "language": language, "windows": [],
-              "prompt_text": pair.processor.tokenizer.decode(prompt), **(meta or {})},
-        prompt_ids=prompt, output_ids=[], output_text="",
-    )
-    t0 = clock.now()
-    texts = []
-    for w, (start_s, chunk) in enumerate(windows(audio)):
-        p0 = clock.now()
-        features = pair.processor.feature_extractor(chunk, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
-        encoder_out = pair.target.model.encoder(features.to(device, pair.dtype)).last_hidden_state
-        state = DecodeState(list(prompt), len(prompt), WhisperDecoder(pair.draft, encoder_out, len(prompt), suppress, begin),
-                            WhisperDecoder(pair.target, encoder_out, len(prompt), suppress, begin))
-        state.target.forward(prompt[:-1], 1)
-        if not target_only:
-            state.draft.forward(prompt[:-1], 1)
-        trace.prefill_s += clock.now() - p0
-        if target_only:
-            for _ in autoregressive(state, cfg, vocab, device):
-                pass
-        else:
-            for record in speculate(state, cfg, vocab, device):
-                record.index = len(trace.iterations)
-                record.window = w
-                trace.iterations.append(record)
-                trace.total_s = clock.now() - t0
-                if on_iteration:
-                    on_iteration(record, trace)
-        window_ids = state.generated
-        text = pair.processor.tokenizer.decode(window_ids, skip_special_tokens=True).strip()
-        texts.append(text)
-        trace.output_ids.extend(window_ids)
-        trace.meta["windows"].append({"index": w, "start_s": start_s, "end_s": start_s + len(chunk) / SAMPLE_RATE,
-                                      "output_ids": window_ids, "text": text})
-    trace.output_text = " ".join(t for t in texts if t)
-    trace.total_s = clock.now() - t0
-    return trace
+class SpeechSource:
+    """Audio clips as sequences: every 30 s window of every clip is one sequence, decoded independently
+    (no text carried between windows), so the windows of one long clip batch as well as several clips do.
+    The encoder runs once per window when its group enters the batch; draft and target both read it."""
+
+    def __init__(self, pair: SpeechPair, clips: list[tuple[str, np.ndarray]], language: str | None = "en"):
+        self.pair, self.language = pair, language
+        self.prompt = decoder_prompt(pair.processor, pair.target, language)
+        tok = pair.processor.tokenizer
+        gc = pair.target.generation_config
+        self.vocab = Vocabulary(lambda t: tok.decode(t), frozenset({gc.eos_token_id}))
+        self.suppress, self.begin = list(gc.suppress_tokens or []), list(gc.begin_suppress_tokens or [])
+        self.device = pair.device
+        self.sequences: list[SequenceSpec] = []
+        self.chunks: list[np.ndarray] = []
+        self.clip_seconds = []
+        for c, (name, audio) in enumerate(clips):
+            parts = windows(audio)
+            self.clip_seconds.append(len(audio) / SAMPLE_RATE)
+            for w, (start, chunk) in enumerate(parts):
+                end = start + len(chunk) / SAMPLE_RATE
+                label = name if len(parts) == 1 else f"{name} · {_clock(start)}–{_clock(end)}"
+                self.sequences.append(SequenceSpec(list(self.prompt), label, name,
+                                                   {"input": c, "window": w, "start_s": start, "end_s": end}))
+                self.chunks.append(chunk)
+
+    def decoders(self, rows: list[int], with_draft: bool) -> tuple[WhisperDecoder | None, WhisperDecoder]:
+        pair = self.pair
+        features = pair.processor.feature_extractor([self.chunks[r] for r in rows], sampling_rate=SAMPLE_RATE,
+                                                    return_tensors="pt").input_features
+        encoder_out = pair.target.model.encoder(features.to(pair.device, pair.dtype)).last_hidden_state
+        make = lambda model: WhisperDecoder(model, encoder_out, len(self.prompt), self.suppress, self.begin)  # noqa: E731
+        return (make(pair.draft) if with_draft else None), make(pair.target)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.pair.processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def meta(self) -> dict:
+        pair = self.pair
+        return {"task": "transcribe", "draft": pair.draft_name, "target": pair.target_name,
+                "device": device_name(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
+                "vocab_size": pair.vocab_size, "audio_seconds": sum(self.clip_seconds), "language": self.language,
+                "prompt_text": pair.processor.tokenizer.decode(self.prompt)}
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:

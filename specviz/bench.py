@@ -20,24 +20,25 @@ def _median_of(run: Callable[[], Trace], repeat: int) -> tuple[Trace, float]:
     return trace, statistics.median(times)
 
 
-def speech_draft_layers(pair, audio: np.ndarray, layer_sets: list[tuple[int, ...]], cfg: SpecConfig,
+def speech_draft_layers(pair, clips: list[tuple[str, np.ndarray]], layer_sets: list[tuple[int, ...]], cfg: SpecConfig,
                         reference_text: str | None = None, repeat: int = 3) -> list[dict]:
     """Acceptance and speed of self-speculative drafts made of different subsets of the target's decoder layers."""
-    from .asr import layer_draft, transcribe, word_error_rate
+    from .asr import layer_draft, word_error_rate
+    from .runs import transcribe
 
-    transcribe(pair, audio, cfg, target_only=True)  # warm-up, untimed
-    reference, reference_s = _median_of(lambda: transcribe(pair, audio, cfg, target_only=True), repeat)
+    transcribe(pair, clips, cfg, target_only=True)  # warm-up, untimed
+    reference, reference_s = _median_of(lambda: transcribe(pair, clips, cfg, target_only=True), repeat)
     rows = [{"draft": "target-only", "decode_s": reference_s, "speedup": 1.0,
              "wer": word_error_rate(reference_text, reference.output_text) if reference_text else None}]
     original = pair.draft
     try:
         for layers in layer_sets:
             pair.draft = layer_draft(pair.target, layers)
-            trace, seconds = _median_of(lambda: transcribe(pair, audio, cfg), repeat)
+            trace, seconds = _median_of(lambda: transcribe(pair, clips, cfg), repeat)
             s = trace.summary()
             rows.append({"draft": f"layers {list(layers)}", "alpha": s["alpha"], "acceptance_rate": s["acceptance_rate"],
                          "tokens_per_iteration": s["tokens_per_iteration"], "decode_s": seconds,
-                         "speedup": reference_s / seconds, "equals_target_only": trace.output_ids == reference.output_ids})
+                         "speedup": reference_s / seconds, "equals_target_only": trace.outputs == reference.outputs})
     finally:
         pair.draft = original
     return rows
@@ -102,4 +103,59 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
                             rows.append(row)
                             if on_case:
                                 on_case(row)
+    return rows
+
+
+def _batch_metrics(trace: Trace) -> dict:
+    """What one batched run achieved, prefill included and excluded (prefill is the same work either way)."""
+    s = trace.summary()
+    decode_s = trace.total_s - trace.prefill_s
+    per_seq = [len(q.output_ids) / (q.finished_s - trace.prefill_s) for q in trace.sequences
+               if q.finished_s > trace.prefill_s and q.output_ids]
+    return {
+        "new_tokens": trace.new_tokens, "total_s": trace.total_s, "prefill_s": trace.prefill_s, "decode_s": decode_s,
+        "tokens_per_s": trace.tokens_per_s, "decode_tokens_per_s": trace.new_tokens / decode_s if decode_s > 0 else 0.0,
+        "tokens_per_s_per_sequence": trace.per_sequence_tokens_per_s(),
+        "decode_tokens_per_s_per_sequence": statistics.mean(per_seq) if per_seq else 0.0,
+        "target_calls": len(trace.steps), "median_target_ms": s.get("median_target_ms"),
+        "alpha": s.get("alpha"), "acceptance_rate": s.get("acceptance_rate"),
+        "tokens_per_iteration_per_sequence": s.get("tokens_per_iteration"), "mean_gamma": s.get("mean_gamma"),
+        "draft_s": s.get("draft_s"), "target_s": s.get("target_s"), "verify_s": s.get("verify_s"),
+        "padding_fraction": trace.padding_fraction(), "cache_hole_fraction": trace.hole_fraction(),
+    }
+
+
+def batch_scaling(pair, article: str, batches: list[int], cfg: SpecConfig, repeat: int = 3,
+                  policy: str | None = None, on_run: Callable[[str], None] | None = None) -> list[dict]:
+    """Batched speculative vs batched target-only decoding of B samples of one article, for each B.
+
+    Per B: one short untimed warm-up, then `repeat` interleaved rounds (target-only, speculative); each side
+    reports its median run by decode time. Same seed, same batch, same sampling on both sides.
+    """
+    import dataclasses
+
+    from .gamma import default_policy
+    from .runs import run
+    from .text import article_source
+
+    rows = []
+    for b in batches:
+        c = dataclasses.replace(cfg, gamma_policy=policy or default_policy(b))
+        source = article_source(pair, [("article", article)], c, num_sequences=b)
+        run(source, dataclasses.replace(c, max_new_tokens=4))  # first calls at a new batch shape: not timed
+        runs: dict[str, list[Trace]] = {"target-only": [], "speculative": []}
+        for r in range(repeat):  # interleaved, so that drifts in machine speed hit both alike
+            for name in runs:
+                if on_run:
+                    on_run(f"B={b} {name} ({r + 1}/{repeat})")
+                runs[name].append(run(source, c, target_only=name == "target-only"))
+        chosen = {name: sorted(ts, key=lambda t: t.total_s - t.prefill_s)[(len(ts) - 1) // 2] for name, ts in runs.items()}
+        target, spec = (_batch_metrics(chosen[n]) for n in ("target-only", "speculative"))
+        rows.append({
+            "batch": b, "gamma_policy": c.gamma_policy, "target_only": target, "speculative": spec,
+            "speedup_total": spec["tokens_per_s"] / target["tokens_per_s"],
+            "speedup_decode_per_sequence": spec["decode_tokens_per_s_per_sequence"] / target["decode_tokens_per_s_per_sequence"],
+            "speedup_per_sequence": spec["tokens_per_s_per_sequence"] / target["tokens_per_s_per_sequence"],
+            "decode_times_s": {n: [round(t.total_s - t.prefill_s, 3) for t in ts] for n, ts in runs.items()},
+        })
     return rows

@@ -1,4 +1,4 @@
-"""`python -m specviz ...`: generate, compare."""
+"""`python -m specviz ...`: generate, transcribe, compare, and the benchmarks."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ from tqdm import tqdm
 
 from . import machine
 from .audio import AudioError, load_audio
-from .compare import compare, hf_assisted_runs, text_runner
+from .compare import compare, hf_assisted_runs, source_runner
 from .config import GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range
-from .engine import run_speculative
+from .gamma import default_policy
 from .models import DEFAULT, ModelLoadError, ModelPair, load_pair
-from .prompts import InputError, max_prompt_tokens, sample_article, summarization_prompt
+from .prompts import InputError, sample_article
+from .records import Finished, Iteration
+from .runs import DEFAULT_BATCH, run
 from .sampling import InvalidLogitsError
+from .text import article_source
 from .trace import TraceFormatError
 
 
@@ -49,11 +52,16 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     audio = inputs != "text"
     src = p.add_argument_group("input")
     if inputs == "audio":
-        src.add_argument("input", help="audio file (WAV, FLAC, OGG, MP3, ... anything libsndfile reads)")
+        src.add_argument("inputs", nargs="+", metavar="AUDIO",
+                         help="audio files (WAV, FLAC, OGG, MP3, ... anything libsndfile reads), decoded as one batch")
     else:
-        src.add_argument("input", nargs="?", help="article file to summarize ('-' for stdin)"
-                         + (" or an audio file to transcribe" if audio else "") + "; default: the bundled sample article")
-    src.add_argument("--max-new-tokens", type=int, default=128)
+        src.add_argument("inputs", nargs="*", metavar="ARTICLE" if not audio else "INPUT",
+                         help="article files to summarize as one batch ('-' for stdin)"
+                         + ("; or audio files to transcribe" if audio else "") + "; default: the bundled sample article")
+    src.add_argument("--max-new-tokens", type=int, default=128, help="per sequence")
+    if inputs == "text":
+        src.add_argument("--num-sequences", type=int, default=1,
+                         help="samples drawn per article (BASS: several responses to one prompt; needs --temperature > 0)")
     if audio:
         src.add_argument("--language", default="en", help="spoken language for a multilingual Whisper (default en)")
     m = p.add_argument_group("models")
@@ -71,7 +79,10 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
     v = p.add_argument_group("speculation")
-    v.add_argument("--gamma-policy", default="hf", choices=GAMMA_POLICIES)
+    v.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                   help=f"sequences decoded together at most (default {DEFAULT_BATCH}); more run in consecutive groups")
+    v.add_argument("--gamma-policy", default=None, choices=GAMMA_POLICIES,
+                   help="default: bass when several sequences decode together, else hf")
     v.add_argument("--gamma", type=int, default=None, help="initial γ (default: the policy's own)")
     v.add_argument("--lenience", type=float, default=1.0, help="Leviathan A.5; 1 = exact")
     v.add_argument("--verify-backend", default="auto", choices=["auto", "torch", "cuda"],
@@ -82,13 +93,16 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     v.add_argument("--sigmoid-beta", type=float, default=None, help="default: 1e4 for text, 1e3 for speech")
 
 
-def _config(args: argparse.Namespace, mode: str, speech: bool = False) -> SpecConfig:
-    """Settings from the command line; sigmoid α/β default to Wagner et al.'s value for the task."""
+def _config(args: argparse.Namespace, mode: str, batch: int, speech: bool = False) -> SpecConfig:
+    """Settings from the command line; sigmoid α/β default to Wagner et al.'s value for the task, the γ policy
+    to BASS for a batch."""
     scale = default_sigmoid_range(speech)
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     return SpecConfig(
         mode=mode,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
-        gamma_policy=args.gamma_policy,
+        gamma_policy=args.gamma_policy or default_policy(min(batch, args.batch_size)),
         gamma_init=args.gamma,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
@@ -100,9 +114,7 @@ def _config(args: argparse.Namespace, mode: str, speech: bool = False) -> SpecCo
     )
 
 
-def _read_article(arg: str | None) -> str:
-    if arg is None:
-        return sample_article()
+def _read_article(arg: str) -> str:
     if arg == "-":
         return sys.stdin.read()
     path = Path(arg)
@@ -114,12 +126,20 @@ def _read_article(arg: str | None) -> str:
         raise InputError(f"{arg} is not UTF-8 text; give an article as a text file") from None
 
 
-def _checked_article(arg: str | None) -> str:
-    """Read the article and refuse an empty one before minutes go into loading models."""
-    article = _read_article(arg)
-    if not article.strip():
-        raise InputError("the article is empty: give a file with some text to summarize")
-    return article
+def _articles(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(label, text) per article; refuses an empty one before minutes go into loading models."""
+    if not args.inputs:
+        return [("sample article", sample_article())]
+    if args.inputs.count("-") > 1:
+        raise InputError("stdin ('-') can be read only once")
+    out = []
+    for arg in args.inputs:
+        text = _read_article(arg)
+        label = "stdin" if arg == "-" else Path(arg).name
+        if not text.strip():
+            raise InputError(f"the article is empty ({label}): give a file with some text to summarize")
+        out.append((label, text))
+    return out
 
 
 def _load(args: argparse.Namespace) -> ModelPair:
@@ -131,25 +151,39 @@ def _load(args: argparse.Namespace) -> ModelPair:
         progress.close()
 
 
-def _prompt(args: argparse.Namespace, pair: ModelPair, article: str) -> list[int]:
-    context = getattr(pair.target.config, "max_position_embeddings", 32768)
-    return summarization_prompt(pair.tokenizer, article, max_prompt_tokens(context, args.max_new_tokens))
+def _decode_with_bar(source, cfg: SpecConfig, args: argparse.Namespace, what: str, meta: dict):
+    """Run the shared entry point with a progress bar over every sequence's tokens."""
+    total = cfg.max_new_tokens * len(source.sequences)
+    with tqdm(total=total, desc=f"{cfg.mode} {what}", unit="tok", file=sys.stderr) as bar:
+        def advance(event, trace):
+            if isinstance(event, Iteration):
+                bar.update(sum(d.emitted for d in event.decisions))
+                bar.set_postfix(γ=event.step.gamma, batch=len(event.step.sequences),
+                                accepted="/".join(str(d.n_accepted) for d in event.decisions))
+            elif isinstance(event, Finished):  # what an early EOS leaves of the budget will not come
+                bar.total -= cfg.max_new_tokens - len(trace.sequences[event.sequence].output_ids)
+                bar.refresh()
+        return run(source, cfg, batch_size=args.batch_size, meta=meta, on_event=advance)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    cfg = _config(args, args.mode)
-    article = _checked_article(args.input)
-    pair = _load(args)
-    prompt_ids = _prompt(args, pair, article)
-    with tqdm(total=cfg.max_new_tokens, desc=f"{cfg.mode} decoding", unit="tok", file=sys.stderr) as bar:
-        def advance(record, trace):
-            bar.update(record.emitted)
-            bar.set_postfix(γ=record.gamma, accepted=record.n_accepted)
-        trace = run_speculative(pair, prompt_ids, cfg, on_iteration=advance, meta={"input": article})
-    print(trace.output_text)
+def _print_result(trace) -> None:
+    if len(trace.sequences) == 1:
+        print(trace.output_text)
+    else:
+        for group, text in trace.texts().items():
+            print(f"[{group}]\n{text}\n")
     print()
     for key, value in trace.summary().items():
         print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    articles = _articles(args)
+    cfg = _config(args, args.mode, len(articles) * args.num_sequences)
+    pair = _load(args)
+    source = article_source(pair, articles, cfg, args.num_sequences)
+    trace = _decode_with_bar(source, cfg, args, "decoding", {"input": [text for _, text in articles]})
+    _print_result(trace)
     if args.trace:
         trace.save(args.trace)
         print(f"trace written to {args.trace}", file=sys.stderr)
@@ -167,23 +201,32 @@ def _is_audio(arg: str | None) -> bool:
     return arg is not None and Path(arg).suffix.lower() in AUDIO_SUFFIXES
 
 
+def _clips(paths: list[str]) -> list[tuple[str, "np.ndarray"]]:
+    return [(Path(p).name, load_audio(p)) for p in paths]
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    cfg = _config(args, "exact", speech=_is_audio(args.input))
-    if _is_audio(args.input):
-        from .asr import transcribe
+    kinds = {_is_audio(a) for a in args.inputs}
+    if len(kinds) > 1:
+        raise InputError("compare takes articles or audio files, not both in one batch")
+    if kinds == {True}:
+        from .asr import SpeechSource
 
         if args.hf_assisted:
             raise InputError("--hf-assisted compares text generation only")
-        audio = load_audio(args.input)
+        clips = _clips(args.inputs)
         pair = _load_speech(args)
-        run = lambda c, target_only: transcribe(pair, audio, c, language=args.language, target_only=target_only)  # noqa: E731
+        source = SpeechSource(pair, clips, args.language)
+        cfg = _config(args, "exact", len(source.sequences), speech=True)
         extra = {}
     else:
-        article = _checked_article(args.input)
+        articles = _articles(args)
+        cfg = _config(args, "exact", len(articles) * args.num_sequences)
         pair = _load(args)
-        prompt_ids = _prompt(args, pair, article)
-        run = text_runner(pair, prompt_ids)
-        extra = hf_assisted_runs(pair, prompt_ids, cfg) if args.hf_assisted else {}
+        source = article_source(pair, articles, cfg, args.num_sequences)
+        if args.hf_assisted and len(source.sequences) > 1:
+            raise InputError("--hf-assisted runs one sequence: transformers' assisted generation has no batch > 1")
+        extra = hf_assisted_runs(pair, source.sequences[0].prompt_ids, cfg) if args.hf_assisted else {}
     names = f"{pair.draft_name} → {pair.target_name}"
     with tqdm(desc="compare", unit="run", file=sys.stderr, total=1 + (4 + len(extra)) * args.repeat) as bar:
         started = []
@@ -194,7 +237,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             started.append(name)
             bar.set_postfix_str(name)
 
-        rows, traces = compare(run, cfg, extra=extra, repeat=args.repeat, on_stage=stage)
+        rows, traces = compare(source_runner(source, args.batch_size), cfg, extra=extra, repeat=args.repeat,
+                               on_stage=stage)
         bar.update(1)
     wer = {}
     if args.reference_file:
@@ -202,20 +246,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         reference = Path(args.reference_file).read_text(encoding="utf-8")
         wer = {name: word_error_rate(reference, trace.output_text) for name, trace in traces.items()}
-    header = (f"{'run':30s} {'tok/s':>7s} {'speedup':>8s} {'α':>6s} {'tok/iter':>8s} {'verify ms':>9s}  = target-only"
-              + ("    WER" if wer else ""))
+    header = (f"{'run':30s} {'tok/s':>7s} {'tok/s/seq':>9s} {'speedup':>8s} {'α':>6s} {'tok/iter':>8s} "
+              f"{'verify ms':>9s}  = target-only" + ("    WER" if wer else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r.name:30s} {r.tokens_per_s:7.2f} {r.speedup:7.2f}× {_fmt(r.alpha, '6.3f'):>6s} "
-              f"{_fmt(r.tokens_per_iteration, '8.2f'):>8s} {_fmt(r.median_verify_ms, '9.2f'):>9s}  "
-              f"{'yes' if r.equals_target_only else 'no ':13s}" + (f" {wer[r.name]:6.3f}" if wer else ""))
+        print(f"{r.name:30s} {r.tokens_per_s:7.2f} {r.tokens_per_s_per_sequence:9.2f} {r.speedup:7.2f}× "
+              f"{_fmt(r.alpha, '6.3f'):>6s} {_fmt(r.tokens_per_iteration, '8.2f'):>8s} "
+              f"{_fmt(r.median_verify_ms, '9.2f'):>9s}  {'yes' if r.equals_target_only else 'no ':13s}"
+              + (f" {wer[r.name]:6.3f}" if wer else ""))
     dtype = str(pair.dtype).removeprefix("torch.")
-    print(f"\n{names}, {dtype}, {machine.describe()}")
+    batch = min(args.batch_size, len(source.sequences))
+    print(f"\n{names}, {dtype}, {len(source.sequences)} sequences in batches of {batch}, {machine.describe()}")
     if args.json:
-        report = {"machine": machine.describe(), "models": names, "dtype": dtype, "input": args.input or "sample article",
+        report = {"machine": machine.describe(), "models": names, "dtype": dtype,
+                  "inputs": args.inputs or ["sample article"], "sequences": len(source.sequences), "batch_size": batch,
                   "repeat": args.repeat, "statistic": "median run by wall time, after one untimed warm-up run",
-                  "config": cfg.to_dict(), "rows": [{**r.as_dict(), **({"wer": wer[r.name]} if wer else {})} for r in rows]}
+                  "config": cfg.to_dict(), "rows": [{**r.as_dict(), **({"wer": wer[r.name]} if wer else {})} for r in rows],
+                  "runs": {name: trace.summary() for name, trace in traces.items()}}
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))
         print(f"table written to {args.json}", file=sys.stderr)
     return 0
@@ -232,28 +280,26 @@ def _load_speech(args: argparse.Namespace):
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    from .asr import transcribe, word_error_rate
+    from .asr import SpeechSource, word_error_rate
 
-    cfg = _config(args, args.mode, speech=True)
     reference = args.reference
     if args.reference_file:
         reference = Path(args.reference_file).read_text(encoding="utf-8")
-    audio = load_audio(args.input)
+    if reference and len(args.inputs) > 1:
+        raise InputError("a reference transcript needs exactly one audio file")
+    clips = _clips(args.inputs)
     pair = _load_speech(args)
-    with tqdm(total=cfg.max_new_tokens, desc=f"{cfg.mode} transcribing", unit="tok", file=sys.stderr) as bar:
-        def advance(record, trace):
-            bar.update(record.emitted)
-            bar.set_postfix(window=record.window, γ=record.gamma, accepted=record.n_accepted)
-        trace = transcribe(pair, audio, cfg, language=args.language, on_iteration=advance, meta={"input": args.input})
-    print(trace.output_text)
-    print()
-    summary = trace.summary()
+    source = SpeechSource(pair, clips, args.language)
+    cfg = _config(args, args.mode, len(source.sequences), speech=True)
+    meta = {"input": [name for name, _ in clips]}
     if reference:
-        summary["wer"] = word_error_rate(reference, trace.output_text)
-        trace.meta["reference"] = reference
-        trace.meta["wer"] = summary["wer"]
-    for key, value in summary.items():
-        print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
+        meta["reference"] = reference
+    trace = _decode_with_bar(source, cfg, args, "transcribing", meta)
+    if reference:
+        trace.meta["wer"] = word_error_rate(reference, trace.output_text)
+    _print_result(trace)
+    if reference:
+        print(f"  {'wer':32s} {trace.meta['wer']:.4g}")
     if args.trace:
         trace.save(args.trace)
         print(f"trace written to {args.trace}", file=sys.stderr)
@@ -264,21 +310,58 @@ def cmd_bench_speech_draft(args: argparse.Namespace) -> int:
     from .bench import speech_draft_layers
     from .asr import parse_layers
 
-    cfg = _config(args, "exact", speech=True)
-    audio = load_audio(args.input)
+    clips = _clips(args.inputs)
+    cfg = _config(args, "exact", 1, speech=True)
     pair = _load_speech(args)
     reference = Path(args.reference_file).read_text(encoding="utf-8") if args.reference_file else None
     layer_sets = [parse_layers(spec) for spec in args.layers]
-    rows = speech_draft_layers(pair, audio, layer_sets, cfg, reference, repeat=args.repeat)
+    rows = speech_draft_layers(pair, clips, layer_sets, cfg, reference, repeat=args.repeat)
     print(f"{'draft':28s} {'α':>6s} {'accept':>7s} {'tok/iter':>8s} {'decode s':>9s} {'speedup':>8s}")
     for r in rows:
         print(f"{r['draft']:28s} {_fmt(r.get('alpha'), '6.3f'):>6s} {_fmt(r.get('acceptance_rate'), '7.3f'):>7s} "
               f"{_fmt(r.get('tokens_per_iteration'), '8.2f'):>8s} {r['decode_s']:9.3f} {r['speedup']:7.2f}×")
     print(f"\n{pair.target_name}, {str(pair.dtype).removeprefix('torch.')}, {machine.describe()}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine.describe(), "input": args.input, "repeat": args.repeat,
+        Path(args.json).write_text(json.dumps({"machine": machine.describe(), "input": args.inputs, "repeat": args.repeat,
                                                "statistic": "median decode time (prefill excluded), after a warm-up",
                                                "config": cfg.to_dict(), "rows": rows}, indent=2))
+    return 0
+
+
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from .bench import batch_scaling
+
+    articles = _articles(args)
+    if len(articles) != 1:
+        raise InputError("bench-batch draws B samples of one article: give one article (or none for the sample)")
+    cfg = _config(args, args.mode, 1)
+    pair = _load(args)
+    with tqdm(total=len(args.batches) * 2 * args.repeat, desc="bench-batch", unit="run", file=sys.stderr) as bar:
+        def on_run(name: str) -> None:
+            bar.set_postfix_str(name)
+            bar.update(1)
+        rows = batch_scaling(pair, articles[0][1], args.batches, cfg, repeat=args.repeat, policy=args.gamma_policy,
+                             on_run=on_run)
+    print(f"{'B':>2s} {'policy':6s} {'run':12s} {'tok/s':>7s} {'tok/s/seq':>9s} {'decode tok/s/seq':>16s} "
+          f"{'α':>6s} {'tok/iter/seq':>12s} {'target calls':>12s} {'padding':>7s} {'holes':>6s}")
+    for r in rows:
+        for name in ("target_only", "speculative"):
+            m = r[name]
+            print(f"{r['batch']:2d} {r['gamma_policy']:6s} {name:12s} {m['tokens_per_s']:7.2f} "
+                  f"{m['tokens_per_s_per_sequence']:9.3f} {m['decode_tokens_per_s_per_sequence']:16.3f} "
+                  f"{_fmt(m['alpha'], '6.3f'):>6s} {_fmt(m['tokens_per_iteration_per_sequence'], '12.2f'):>12s} "
+                  f"{m['target_calls']:12d} {_fmt(m['padding_fraction'], '7.3f'):>7s} {_fmt(m['cache_hole_fraction'], '6.3f'):>6s}")
+        print(f"   speedup: total {r['speedup_total']:.2f}×, per sequence {r['speedup_per_sequence']:.2f}× "
+              f"(decode only {r['speedup_decode_per_sequence']:.2f}×)")
+    dtype = str(pair.dtype).removeprefix("torch.")
+    print(f"\n{pair.draft_name} → {pair.target_name}, {dtype}, {machine.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": machine.describe(), "models": f"{pair.draft_name} → {pair.target_name}", "dtype": dtype,
+            "input": args.inputs or ["sample article"], "repeat": args.repeat, "config": cfg.to_dict(),
+            "statistic": "per side, the median run by decode time of `repeat` interleaved rounds, after a warm-up",
+            "rows": rows}, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
     return 0
 
 
@@ -333,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=3)
     b.add_argument("--json", metavar="FILE")
     b.set_defaults(func=cmd_bench_speech_draft)
+    bb = sub.add_parser("bench-batch", help="batched speculative vs batched target-only decoding for several batch sizes")
+    _add_common(bb)
+    bb.add_argument("--mode", default="exact", choices=MODES)
+    bb.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    bb.add_argument("--repeat", type=int, default=3)
+    bb.add_argument("--json", metavar="FILE")
+    bb.set_defaults(func=cmd_bench_batch)
     bv = sub.add_parser("bench-verify", help="µs per verification call: modes × paths × V × γ × B × dtype")
     bv.add_argument("--device", default=None)
     bv.add_argument("--vocab", type=int, nargs="+", default=[51_865, 151_936, 256_000])

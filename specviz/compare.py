@@ -11,16 +11,18 @@ from typing import Callable
 import torch
 
 from .config import MODES, SpecConfig
-from .engine import run_speculative, run_target_only
+from .engine import Source
 from .models import ModelPair
-from .trace import Trace
+from .runs import DEFAULT_BATCH, run
+from .trace import SequenceTrace, Trace
 
 
 @dataclass
 class Row:
     name: str
-    tokens_per_s: float
-    speedup: float  # over target-only, same input and seed
+    tokens_per_s: float  # all sequences' tokens over the run's wall time
+    tokens_per_s_per_sequence: float  # mean over sequences of tokens over the time until it finished
+    speedup: float  # tokens/s over target-only's, same input, batch and seed
     alpha: float | None
     tokens_per_iteration: float | None
     median_verify_ms: float | None
@@ -38,11 +40,12 @@ def _row(name: str, trace: Trace, reference: Trace) -> Row:
     return Row(
         name=name,
         tokens_per_s=trace.tokens_per_s,
+        tokens_per_s_per_sequence=trace.per_sequence_tokens_per_s(),
         speedup=trace.tokens_per_s / reference.tokens_per_s if reference.tokens_per_s else 0.0,
         alpha=s.get("alpha"),
         tokens_per_iteration=s.get("tokens_per_iteration"),
         median_verify_ms=s.get("median_verify_ms"),
-        equals_target_only=trace.output_ids == reference.output_ids,
+        equals_target_only=trace.outputs == reference.outputs,
         new_tokens=trace.new_tokens,
         total_s=trace.total_s,
         output_text=trace.output_text,
@@ -74,20 +77,20 @@ def run_hf_assisted(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig, con
     finally:
         pair.draft.generation_config = assistant_config
     new = out[0, len(prompt_ids):].tolist()
-    return Trace(
-        meta={"mode": "hf-assisted", "confidence_threshold": confidence_threshold},
-        prompt_ids=list(prompt_ids), output_ids=new,
-        output_text=pair.tokenizer.decode(new, skip_special_tokens=True), total_s=total,
-    )
+    text = pair.tokenizer.decode(new, skip_special_tokens=True)
+    sequence = SequenceTrace(0, "input", "input", {}, list(prompt_ids), new, text, finished_s=total)
+    return Trace(meta={"mode": "hf-assisted", "confidence_threshold": confidence_threshold}, sequences=[sequence],
+                 total_s=total)
 
 
 Runner = Callable[[SpecConfig, bool], Trace]  # (config, target_only) -> trace
 
 
-def text_runner(pair: ModelPair, prompt_ids: list[int]) -> Runner:
-    def run(cfg: SpecConfig, target_only: bool) -> Trace:
-        return run_target_only(pair, prompt_ids, cfg) if target_only else run_speculative(pair, prompt_ids, cfg)
-    return run
+def source_runner(source: Source, batch_size: int = DEFAULT_BATCH) -> Runner:
+    """Every run of a comparison decodes the same sequences in the same batches."""
+    def run_once(cfg: SpecConfig, target_only: bool) -> Trace:
+        return run(source, cfg, target_only=target_only, batch_size=batch_size)
+    return run_once
 
 
 def compare(

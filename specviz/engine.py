@@ -1,9 +1,19 @@
-"""The decoding loop: speculative decoding with KV caches, and the target-only reference.
+"""The decoding driver: batched speculative decoding with ragged acceptance, and the target-only reference.
 
-State is explicit (`DecodeState`): the tokens so far and each model's KV cache. Invariant between
-iterations: each cache holds a prefix of `tokens`; the tokens after it are fed on the next forward.
-`speculate` is a generator that yields one IterationRecord per iteration, so the page can draw and the
-CLI can advance a progress bar as decoding goes; `run_speculative` collects them into a Trace.
+One driver for text and speech and for any batch size B ≥ 1 (Qian et al., BASS). A `Source` says what is
+decoded (the sequences' prompts, how to open a model's decoder on a group of them); `generate` decodes
+groups of up to `batch_size` sequences and yields records (specviz.records): a group was prefilled, one
+iteration of the whole batch, a sequence finished, the run completed. Consumers build their own Trace
+from those immutable records.
+
+KV caches of a ragged batch: every row of a cache has the same length, and each forward appends the same
+number of slots to every row, right-aligned, so a row that feeds fewer tokens gets padding slots. Rejected
+drafts and padding stay behind as masked slots ("holes"): the attention mask hides them and explicit
+position ids count only a row's valid tokens, so every row computes what it would compute alone. Holes
+rather than moving accepted entries into place (the realignment that costs eBay's batched decoding up
+to 40% of its compute): a hole costs one masked key per layer in later attention and nothing else, and
+trailing slots that no row uses are cropped. Both costs are measured per iteration (StepRecord). Prompts
+of different lengths are prefilled one by one (no padded compute) and merged, left-padded, into one cache.
 """
 
 from __future__ import annotations
@@ -13,15 +23,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import torch
-from transformers import DynamicCache
 
 from .config import SpecConfig
-from .machine import device_name
 from .gamma import Feedback, make_policy
-from .models import ModelPair
+from .records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, TARGET, Completed, Decision, Event,
+                      Finished, Iteration, Prefilled, StepRecord)
 from .sampling import check_logits, draw
-from .trace import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, IterationRecord, Trace
 from .verify import verify
+
+PAD_ID = 0  # the token fed into padding slots; they are masked, so which token it is does not matter
 
 
 class Stopwatch:
@@ -36,66 +46,184 @@ class Stopwatch:
         return time.perf_counter()
 
 
-class Decoder(Protocol):
-    """One model's side of the loop: feeds tokens after what its KV cache holds, and rolls the cache back."""
+class SlottedDecoder:
+    """One model's side of a batch: a KV cache whose slots are, per row, a valid token or a hole.
 
-    def length(self) -> int: ...
+    Subclasses say how to build a cache and run the model (`_new_cache`, `_run`); this class keeps the
+    slot bookkeeping: `slots[r]` lists the cache slot of every token row r has fed, in order, and `valid`
+    ([B, L] bool, on the model's device) is the attention mask over the cache.
+    """
 
-    def forward(self, ids: list[int], keep: int) -> torch.Tensor: ...  # logits [keep, V]
+    def __init__(self, batch: int, device: torch.device):
+        self.device = device
+        self.cache = self._new_cache()
+        self.valid = torch.zeros((batch, 0), dtype=torch.bool, device=device)  # [B, L]
+        self.slots: list[list[int]] = [[] for _ in range(batch)]
+        self.real_fed = 0  # tokens fed for real since the last take_counts()
+        self.pad_fed = 0  # padding fed beside them
 
-    def crop(self, length: int) -> None: ...
+    # ---- model-specific ----------------------------------------------------------------------
+    def _new_cache(self):
+        raise NotImplementedError
 
+    def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, keep: int,
+             cache, rows: list[int]) -> torch.Tensor:
+        """input_ids, position_ids [b, W]; attention_mask [b, L+W] over the cache and the new tokens; rows:
+        which batch rows these are (speech picks their encoder output). Returns float logits [b, keep, V]."""
+        raise NotImplementedError
 
-class CausalLMDecoder:
-    """A decoder-only transformers model with a DynamicCache."""
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Keep only batch rows `index` of whatever else the subclass holds per row."""
 
-    def __init__(self, model, vocab: int):
-        self.model, self.vocab, self.cache = model, vocab, DynamicCache()
-
-    def length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def forward(self, ids: list[int], keep: int) -> torch.Tensor:
-        input_ids = torch.tensor([ids], device=self.model.device)
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[0, -keep:, : self.vocab]
-
-    def crop(self, length: int) -> None:
-        extra = self.length() - length
-        if extra > 0:
-            self.cache.crop(-extra)  # transformers 5 takes the number of tokens to drop, as a negative int
-
-
-@dataclass
-class DecodeState:
-    tokens: list[int]  # prompt followed by everything generated so far
-    prompt_len: int
-    draft: Decoder
-    target: Decoder
-
+    # ---- bookkeeping -------------------------------------------------------------------------
     @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+    def batch(self) -> int:
+        return len(self.slots)
 
-    def pending(self, decoder: Decoder) -> list[int]:
-        """The tokens this decoder has not seen yet."""
-        return self.tokens[decoder.length():]
+    def fed(self, row: int) -> int:
+        """How many of row's tokens the cache holds."""
+        return len(self.slots[row])
+
+    # Whether rows with identical prompts may share one prefill (copied into each row afterwards). Not for
+    # encoder-decoder models: there the cache also holds each row's own cross-attention keys and values.
+    shares_identical_prompts = True
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Feed each row its tokens into an empty cache. Identical prompts (N samples of one input) are fed
+        once and copied; equal lengths: one batched forward; otherwise one forward per row, merged into a
+        left-padded cache so that no compute goes into padding."""
+        unique = list(dict.fromkeys(tuple(p) for p in prompts))
+        if self.shares_identical_prompts and len(unique) < len(prompts):
+            self.valid = self.valid[: len(unique)]
+            self.slots = [[] for _ in unique]
+            self._prefill_distinct([list(u) for u in unique])
+            self.select([unique.index(tuple(p)) for p in prompts])
+            return
+        self._prefill_distinct(prompts)
+
+    def _prefill_distinct(self, prompts: list[list[int]]) -> None:
+        lengths = {len(p) for p in prompts}
+        if len(lengths) == 1:
+            if lengths != {0}:
+                self.forward(prompts, 1)
+            self.take_counts()
+            return
+        per_row = []
+        for r, prompt in enumerate(prompts):
+            cache = self._new_cache()
+            if prompt:
+                ids = torch.tensor([prompt], device=self.device)
+                ones = torch.ones_like(ids, dtype=torch.long)
+                self._run(ids, ones, torch.arange(len(prompt), device=self.device)[None], 1, cache, [r])
+            per_row.append(cache)
+        width = max(lengths)
+        self.cache = self._merge(per_row, [len(p) for p in prompts], width)
+        self.valid = torch.zeros((len(prompts), width), dtype=torch.bool, device=self.device)
+        for r, prompt in enumerate(prompts):
+            self.valid[r, width - len(prompt):] = True
+            self.slots[r] = list(range(width - len(prompt), width))
+        self.take_counts()
+
+    def _merge(self, caches: list, lengths: list[int], width: int):
+        """One cache of batch len(caches) from single-row caches, each left-padded with zeros to `width`."""
+        merged = self._new_cache()
+        layers = _self_attention_layers(merged)
+        if layers is not merged:
+            raise NotImplementedError("prompts of different lengths need a decoder-only cache")
+        sources = [_self_attention_layers(c) for c in caches]
+        donor = next(s for s, n in zip(sources, lengths) if n)
+        for i, layer in enumerate(donor.layers):
+            ref_k, ref_v = layer.keys, layer.values  # [1, heads, n, head_dim]
+            keys, values = [], []
+            for src, n in zip(sources, lengths):
+                k = ref_k.new_zeros(1, ref_k.shape[1], width, ref_k.shape[3])
+                v = ref_v.new_zeros(1, ref_v.shape[1], width, ref_v.shape[3])
+                if n:
+                    k[:, :, width - n:] = src.layers[i].keys
+                    v[:, :, width - n:] = src.layers[i].values
+                keys.append(k)
+                values.append(v)
+            layers.update(torch.cat(keys), torch.cat(values), i)
+        return merged
+
+    def forward(self, feeds: list[list[int]], keep: int) -> torch.Tensor:
+        """Feed row r the tokens feeds[r] (counts may differ, 0 included), right-aligned so that every
+        row's last token sits in the last column. Returns logits [B, keep, V] of the last `keep` columns."""
+        B, L = self.batch, self.valid.shape[1]
+        width = max(len(f) for f in feeds)
+        ids = torch.full((B, width), PAD_ID, dtype=torch.long)
+        positions = torch.zeros((B, width), dtype=torch.long)
+        new = torch.zeros((B, width), dtype=torch.bool)
+        for r, feed in enumerate(feeds):
+            k = len(feed)
+            if k:
+                start = len(self.slots[r])
+                ids[r, width - k:] = torch.tensor(feed)
+                positions[r, width - k:] = torch.arange(start, start + k)
+                new[r, width - k:] = True
+            self.slots[r].extend(range(L + width - k, L + width))
+        self.real_fed += sum(len(f) for f in feeds)
+        self.pad_fed += B * width - sum(len(f) for f in feeds)
+        self.valid = torch.cat([self.valid, new.to(self.device)], dim=1)
+        return self._run(ids.to(self.device), self.valid.long(), positions.to(self.device), keep, self.cache,
+                         list(range(B)))
+
+    def rollback(self, keep: list[int]) -> None:
+        """Row r keeps its first keep[r] fed tokens; the slots of the rest become holes."""
+        rows, cols = [], []
+        for r, n in enumerate(keep):
+            dropped = self.slots[r][n:]
+            if dropped:
+                rows += [r] * len(dropped)
+                cols += dropped
+                del self.slots[r][n:]
+        if cols:
+            self.valid[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = False
+        self._crop_unused_tail()
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows, in this order (sequences that finished leave the batch; a prefill shared by
+        identical prompts is copied into each of their rows)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.valid.shape[1]:
+            self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+        self.slots = [list(self.slots[r]) for r in rows]  # copies: a row may be selected twice
+        self._select_rows(index)
+        self._crop_unused_tail()
+
+    def _crop_unused_tail(self) -> None:
+        length = self.valid.shape[1]
+        used = max((s[-1] + 1 for s in self.slots if s), default=0)
+        if used < length:
+            self.cache.crop(used - length)  # transformers 5 takes the number of slots to drop, negative
+            self.valid = self.valid[:, :used]
+
+    def take_counts(self) -> tuple[int, int]:
+        """(real, padding) tokens fed since the last call."""
+        counts = (self.real_fed, self.pad_fed)
+        self.real_fed = self.pad_fed = 0
+        return counts
+
+    def cache_use(self) -> tuple[int, int]:
+        """(slots, holes): rows × cache length, and how many of those entries are masked."""
+        slots = self.valid.numel()
+        return slots, slots - sum(len(s) for s in self.slots)
 
 
-@torch.inference_mode()
-def prefill(pair: ModelPair, prompt_ids: list[int], *, with_draft: bool = True) -> tuple[DecodeState, float]:
-    """Fill both caches with all prompt tokens but the last (which the first step feeds). Returns seconds."""
-    if len(prompt_ids) < 1:
-        raise ValueError("the prompt is empty")
-    clock = Stopwatch(pair.device)
-    state = DecodeState(list(prompt_ids), len(prompt_ids), CausalLMDecoder(pair.draft, pair.vocab_size),
-                        CausalLMDecoder(pair.target, pair.vocab_size))
-    t0 = clock.now()
-    if len(prompt_ids) > 1:
-        state.target.forward(prompt_ids[:-1], 1)
-        if with_draft:
-            state.draft.forward(prompt_ids[:-1], 1)
-    return state, clock.now() - t0
+def _self_attention_layers(cache):
+    """The self-attention part of a cache (an encoder-decoder cache also holds cross-attention)."""
+    return getattr(cache, "self_attention_cache", cache)
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """One sequence to decode: its prompt and where it came from (kept in the trace)."""
+
+    prompt_ids: list[int]
+    label: str  # e.g. "article.txt", "article.txt · sample 2", "clip.flac · 0:30–1:00"
+    group: str  # sequences of one group form one output (speech: the windows of one file)
+    info: dict
 
 
 @dataclass(frozen=True)
@@ -106,13 +234,72 @@ class Vocabulary:
     eos: frozenset[int]
 
 
-def text_vocabulary(pair: ModelPair) -> Vocabulary:
-    ids = set()
-    eos = pair.target.generation_config.eos_token_id if pair.target.generation_config else None
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if pair.tokenizer.eos_token_id is not None:
-        ids.add(pair.tokenizer.eos_token_id)
-    return Vocabulary(lambda t: pair.tokenizer.decode(t), frozenset(ids))
+class Source(Protocol):
+    """What the driver decodes: text prompts or audio windows, and the models that read them."""
+
+    sequences: list[SequenceSpec]
+    vocab: Vocabulary
+    device: torch.device
+
+    def decoders(self, rows: list[int], with_draft: bool) -> tuple[SlottedDecoder | None, SlottedDecoder]:
+        """Fresh (draft, target) decoders for these sequences, in this row order (no tokens fed yet)."""
+        ...
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Output text of token ids (special tokens left out)."""
+        ...
+
+    def meta(self) -> dict:
+        """What the trace records about the models and the task."""
+        ...
+
+
+@dataclass
+class Row:
+    """A sequence in the batch: its tokens so far (prompt first) and how many more it may produce."""
+
+    sequence: int
+    tokens: list[int]
+    remaining: int
+
+
+def _chunks(n: int, size: int) -> list[list[int]]:
+    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+
+@torch.inference_mode()
+def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batch_size: int = 8) -> Iterator[Event]:
+    """Decode every sequence of `source`, up to batch_size at a time, yielding records as they happen."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if not source.sequences:
+        raise ValueError("nothing to decode: no input sequences")
+    for spec in source.sequences:
+        if not spec.prompt_ids:
+            raise ValueError(f"the prompt of {spec.label} is empty")
+    clock = Stopwatch(source.device)
+    generator = torch.Generator(device=source.device).manual_seed(cfg.seed)
+    policy = make_policy(cfg.gamma_policy, cfg.gamma_init)
+    start = clock.now()
+    steps = 0
+    for group in _chunks(len(source.sequences), batch_size):
+        t0 = clock.now()
+        draft, target = source.decoders(group, with_draft=not target_only)
+        rows = [Row(s, list(source.sequences[s].prompt_ids), cfg.max_new_tokens) for s in group]
+        # each cache holds all prompt tokens but the last, which the first step feeds
+        target.prefill([r.tokens[:-1] for r in rows])
+        if draft is not None:
+            draft.prefill([r.tokens[:-1] for r in rows])
+        yield Prefilled(group, clock.now() - t0)
+        if target_only:
+            loop = _target_only(rows, target, cfg, source.vocab, generator, clock, start, steps)
+        else:
+            loop = _speculate(rows, draft, target, cfg, source.vocab, generator, policy, clock, start, steps)
+        for event in loop:
+            if isinstance(event, Iteration):
+                steps += 1
+            yield event
+    yield Completed(clock.now() - start)
 
 
 def _limit(tokens: list[int], budget: int, eos: frozenset[int]) -> tuple[list[int], bool]:
@@ -123,148 +310,154 @@ def _limit(tokens: list[int], budget: int, eos: frozenset[int]) -> tuple[list[in
     return tokens[:budget], False
 
 
-@torch.inference_mode()
-def speculate(
-    state: DecodeState, cfg: SpecConfig, vocab: Vocabulary, device: torch.device
-) -> Iterator[IterationRecord]:
-    """Run speculative iterations until EOS or cfg.max_new_tokens, yielding each as it completes."""
-    clock = Stopwatch(device)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    policy = make_policy(cfg.gamma_policy, cfg.gamma_init)
-    index = 0
-    while len(state.generated) < cfg.max_new_tokens:
-        budget = cfg.max_new_tokens - len(state.generated)
-        gamma = max(1, min(policy.current(), budget))
+def _draft(rows: list[Row], draft: SlottedDecoder, caps: list[int], cfg: SpecConfig,
+           generator: torch.Generator) -> tuple[list[list[int]], torch.Tensor]:
+    """Each row drafts up to caps[r] tokens, one batched draft forward per position; a row stops early when
+    the draft doubts its own token (cfg.draft_confidence). Returns the drafts and their logits
+    [B, γmax, V], zero beyond a row's own draft length."""
+    drafts: list[list[int]] = [[] for _ in rows]
+    live = list(range(len(rows)))
+    feeds = [r.tokens[draft.fed(i):] for i, r in enumerate(rows)]
+    logits = []
+    while live:
+        z = draft.forward(feeds, 1)[:, 0]  # [B, V]
+        index = torch.tensor(live, device=z.device)
+        z_live = z.index_select(0, index)  # [b, V]
+        check_logits(z_live, "draft")
+        x = draw(z_live, cfg.sampling, generator)  # [b]
+        doubt = None
+        if cfg.draft_confidence:
+            confidence = z_live.float().softmax(-1).gather(-1, x[:, None])[:, 0]
+            doubt = (confidence < cfg.draft_confidence).tolist()
+        logits.append(z)
+        feeds = [[] for _ in rows]
+        still = []
+        for k, (i, token) in enumerate(zip(live, x.tolist())):
+            drafts[i].append(token)
+            if len(drafts[i]) < caps[i] and not (doubt and doubt[k]):
+                still.append(i)
+                feeds[i] = [token]
+        live = still
+    stacked = torch.stack(logits, dim=1)  # [B, γmax, V]
+    lengths = torch.tensor([len(d) for d in drafts], device=stacked.device)
+    drafted = torch.arange(stacked.shape[1], device=stacked.device) < lengths[:, None]
+    return drafts, stacked * drafted[..., None]  # padding positions: finite zeros, never read into a decision
 
+
+def _left_aligned(logits: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
+    """logits [B, W, V] whose row r ends with its counts[r] relevant columns -> [B, width, V] starting with
+    them (padding beyond repeats the row's last column)."""
+    W = logits.shape[1]
+    cols = torch.tensor([[W - n + min(j, n - 1) for j in range(width)] for n in counts], device=logits.device)
+    return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
+
+
+def _speculate(rows: list[Row], draft: SlottedDecoder, target: SlottedDecoder, cfg: SpecConfig, vocab: Vocabulary,
+               generator: torch.Generator, policy, clock: Stopwatch, start: float, first_index: int) -> Iterator[Event]:
+    index = first_index
+    while rows:
+        gamma = max(1, policy.current())
+        caps = [max(1, min(gamma, r.remaining)) for r in rows]
         t0 = clock.now()
-        draft_ids: list[int] = []
-        draft_logits = []
-        feed = state.pending(state.draft)
-        for _ in range(gamma):
-            z = state.draft.forward(feed, 1)[0]
-            check_logits(z, "draft")
-            x = int(draw(z, cfg.sampling, generator))
-            draft_ids.append(x)
-            draft_logits.append(z)
-            feed = [x]
-            if cfg.draft_confidence and float(z.float().softmax(-1)[x]) < cfg.draft_confidence:
-                break  # the draft doubts this token: later ones would likely be rejected anyway
-        gamma = len(draft_ids)
+        drafts, draft_logits = _draft(rows, draft, caps, cfg, generator)
+        lengths = [len(d) for d in drafts]
+        widest = max(lengths)
         t1 = clock.now()
-        target_logits = state.target.forward(state.pending(state.target) + draft_ids, gamma + 1)
+        feeds = [r.tokens[target.fed(i):] + d for i, (r, d) in enumerate(zip(rows, drafts))]
+        scored = target.forward(feeds, max(len(f) for f in feeds))
+        target_logits = _left_aligned(scored, [n + 1 for n in lengths], widest + 1)  # [B, γmax+1, V]
         t2 = clock.now()
+        tokens = torch.tensor([d + [PAD_ID] * (widest - len(d)) for d in drafts], device=target_logits.device)
         result = verify(
-            cfg.mode, torch.tensor([draft_ids], device=device), torch.stack(draft_logits)[None], target_logits[None],
-            cfg.sampling, generator, lenience=cfg.lenience, sigmoid_alpha=cfg.sigmoid_alpha, sigmoid_beta=cfg.sigmoid_beta,
-            backend=cfg.verify_backend,
+            cfg.mode, tokens, draft_logits, target_logits, cfg.sampling, generator, lenience=cfg.lenience,
+            sigmoid_alpha=cfg.sigmoid_alpha, sigmoid_beta=cfg.sigmoid_beta, backend=cfg.verify_backend,
+            draft_lengths=lengths if min(lengths) < widest else None,
         )
-        n, next_id = int(result.n_accepted[0]), int(result.next_token[0])
+        counts = torch.stack([result.n_accepted, result.next_token]).tolist()  # one readback each
+        probs = torch.stack([result.accept_prob, result.uniforms, result.p_draft, result.q_draft]).float().tolist()
         t3 = clock.now()
 
-        kept = len(state.tokens) + n  # both caches may keep the context plus the accepted drafts
-        state.target.crop(kept)
-        state.draft.crop(kept)
-        emitted, hit_eos = _limit(draft_ids[:n] + [next_id], budget, vocab.eos)
-        state.tokens.extend(emitted)
-
-        accept_prob = result.accept_prob[0].tolist()
-        policy.update(Feedback(gamma, [n], accept_prob[: n + 1], t1 - t0, t2 - t1))
-        yield IterationRecord(
-            index=index,
-            gamma=gamma,
-            draft_ids=draft_ids,
-            draft_text=[vocab.decode([i]) for i in draft_ids],
-            q=result.q_draft[0].tolist(),
-            p=result.p_draft[0].tolist(),
-            accept_prob=accept_prob,
-            uniform=result.uniforms[0].tolist(),
-            outcome=[ACCEPTED] * n + ([REJECTED] if n < gamma else []) + [DISCARDED] * max(0, gamma - n - 1),
-            n_accepted=n,
-            next_id=next_id,
-            next_text=vocab.decode([next_id]),
-            next_kind=BONUS if n == gamma else RESAMPLED,
-            emitted=len(emitted),
-            draft_s=t1 - t0,
-            target_s=t2 - t1,
-            verify_s=t3 - t2,
-        )
+        decisions, target_keep, draft_keep, finished = [], [], [], []
+        for i, (row, d) in enumerate(zip(rows, drafts)):
+            n, next_id, g = counts[0][i], counts[1][i], len(d)
+            kept = len(row.tokens) + n  # both caches may keep the context plus the accepted drafts
+            target_keep.append(kept)
+            draft_keep.append(min(draft.fed(i), kept))
+            emitted, hit_eos = _limit(d[:n] + [next_id], row.remaining, vocab.eos)
+            row.tokens.extend(emitted)
+            row.remaining -= len(emitted)
+            accept_prob, uniform, p, q = (probs[k][i][:g] for k in range(4))
+            decisions.append(Decision(
+                step=index, sequence=row.sequence, gamma=g, draft_ids=d, draft_text=[vocab.decode([t]) for t in d],
+                q=q, p=p, accept_prob=accept_prob, uniform=uniform,
+                outcome=[ACCEPTED] * n + ([REJECTED] if n < g else []) + [DISCARDED] * max(0, g - n - 1),
+                n_accepted=n, next_id=next_id, next_text=vocab.decode([next_id]),
+                next_kind=BONUS if n == g else RESAMPLED, emitted=len(emitted),
+            ))
+            if hit_eos or row.remaining == 0:
+                finished.append((row.sequence, "eos" if hit_eos else "length"))
+        target.rollback(target_keep)
+        draft.rollback(draft_keep)
+        policy.update(Feedback(
+            gamma, lengths, counts[0],
+            [a for dec in decisions for a, o in zip(dec.accept_prob, dec.outcome) if o != DISCARDED],
+            t1 - t0, t2 - t1,
+        ))
+        yield Iteration(_step(index, gamma, rows, (draft, target), t1 - t0, t2 - t1, t3 - t2, clock.now() - start),
+                        decisions)
         index += 1
-        if hit_eos:
-            break
+        rows = yield from _leave(rows, finished, (draft, target), clock, start)
 
 
-@torch.inference_mode()
-def autoregressive(state: DecodeState, cfg: SpecConfig, vocab: Vocabulary, device: torch.device) -> Iterator[int]:
-    """Target-only reference on the same stack and sampling: yields each new token."""
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    while len(state.generated) < cfg.max_new_tokens:
-        z = state.target.forward(state.pending(state.target), 1)[0]
+def _step(index: int, gamma: int, rows: list[Row], decoders: tuple, draft_s: float, target_s: float, verify_s: float,
+          end_s: float) -> StepRecord:
+    real = pad = slots = holes = 0
+    for decoder in decoders:
+        if decoder is not None:
+            r, p = decoder.take_counts()
+            s, h = decoder.cache_use()
+            real, pad, slots, holes = real + r, pad + p, slots + s, holes + h
+    return StepRecord(index=index, gamma=gamma, sequences=[r.sequence for r in rows], draft_s=draft_s,
+                      target_s=target_s, verify_s=verify_s, end_s=end_s, real_tokens=real, pad_tokens=pad,
+                      cache_slots=slots, cache_holes=holes)
+
+
+def _leave(rows: list[Row], finished: list[tuple[int, str]], decoders: tuple, clock: Stopwatch,
+           start: float) -> Iterator[Event]:
+    """Announce finished sequences and drop their rows from every cache; returns the rows that remain."""
+    if not finished:
+        return rows
+    done = {s for s, _ in finished}
+    at = clock.now() - start
+    for sequence, reason in finished:
+        yield Finished(sequence, reason, at)
+    keep = [i for i, r in enumerate(rows) if r.sequence not in done]
+    if keep:
+        for decoder in decoders:
+            if decoder is not None:
+                decoder.select(keep)
+    return [rows[i] for i in keep]
+
+
+def _target_only(rows: list[Row], target: SlottedDecoder, cfg: SpecConfig, vocab: Vocabulary,
+                 generator: torch.Generator, clock: Stopwatch, start: float, first_index: int) -> Iterator[Event]:
+    """The autoregressive reference on the same stack and sampling: one target forward per token, batched."""
+    index = first_index
+    while rows:
+        t0 = clock.now()
+        z = target.forward([r.tokens[target.fed(i):] for i, r in enumerate(rows)], 1)[:, 0]  # [B, V]
         check_logits(z, "target")
-        x = int(draw(z, cfg.sampling, generator))
-        state.tokens.append(x)
-        yield x
-        if x in vocab.eos:
-            break
-
-
-def _meta(pair: ModelPair, cfg: SpecConfig, mode: str) -> dict:
-    return {
-        "mode": mode,
-        "config": cfg.to_dict(),
-        "draft": pair.draft_name,
-        "target": pair.target_name,
-        "device": device_name(pair.device),
-        "dtype": str(pair.dtype).removeprefix("torch."),
-        "vocab_size": pair.vocab_size,
-    }
-
-
-def run_speculative(
-    pair: ModelPair,
-    prompt_ids: list[int],
-    cfg: SpecConfig,
-    on_iteration: Callable[[IterationRecord, Trace], None] | None = None,
-    meta: dict | None = None,
-) -> Trace:
-    """Speculative decoding from prompt to trace; on_iteration sees each record as it arrives."""
-    clock = Stopwatch(pair.device)
-    t0 = clock.now()
-    state, prefill_s = prefill(pair, prompt_ids)
-    trace = Trace(meta={**_meta(pair, cfg, cfg.mode), **(meta or {})}, prompt_ids=list(prompt_ids),
-                  output_ids=[], output_text="", prefill_s=prefill_s)
-    for record in speculate(state, cfg, text_vocabulary(pair), pair.device):
-        trace.iterations.append(record)
-        trace.output_ids = list(state.generated)
-        trace.total_s = clock.now() - t0
-        if on_iteration:
-            trace.output_text = pair.tokenizer.decode(trace.output_ids, skip_special_tokens=True)
-            on_iteration(record, trace)
-    trace.output_ids = list(state.generated)
-    trace.output_text = pair.tokenizer.decode(trace.output_ids, skip_special_tokens=True)
-    trace.total_s = clock.now() - t0
-    return trace
-
-
-def run_target_only(
-    pair: ModelPair,
-    prompt_ids: list[int],
-    cfg: SpecConfig,
-    on_token: Callable[[int], None] | None = None,
-    meta: dict | None = None,
-) -> Trace:
-    """The autoregressive reference, timed the same way; a trace without iterations."""
-    clock = Stopwatch(pair.device)
-    t0 = clock.now()
-    state, prefill_s = prefill(pair, prompt_ids, with_draft=False)
-    for x in autoregressive(state, cfg, text_vocabulary(pair), pair.device):
-        if on_token:
-            on_token(x)
-    total = clock.now() - t0
-    return Trace(
-        meta={**_meta(pair, cfg, "target-only"), **(meta or {})},
-        prompt_ids=list(prompt_ids),
-        output_ids=list(state.generated),
-        output_text=pair.tokenizer.decode(state.generated, skip_special_tokens=True),
-        prefill_s=prefill_s,
-        total_s=total,
-    )
+        tokens = draw(z, cfg.sampling, generator).tolist()
+        t1 = clock.now()
+        decisions, finished = [], []
+        for row, x in zip(rows, tokens):
+            row.tokens.append(x)
+            row.remaining -= 1
+            decisions.append(Decision(step=index, sequence=row.sequence, gamma=0, draft_ids=[], draft_text=[], q=[],
+                                      p=[], accept_prob=[], uniform=[], outcome=[], n_accepted=0, next_id=x,
+                                      next_text=vocab.decode([x]), next_kind=TARGET, emitted=1))
+            if x in vocab.eos or row.remaining == 0:
+                finished.append((row.sequence, "eos" if x in vocab.eos else "length"))
+        yield Iteration(_step(index, 0, rows, (None, target), 0.0, t1 - t0, 0.0, clock.now() - start), decisions)
+        index += 1
+        rows = yield from _leave(rows, finished, (None, target), clock, start)

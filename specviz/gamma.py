@@ -13,11 +13,17 @@ from . import theory
 class Feedback:
     """What one iteration tells a policy."""
 
-    gamma: int
+    gamma: int  # the policy's γ for this iteration
+    drafted: Sequence[int]  # tokens each sequence drafted (≤ γ: a confidence stop or the token limit ends some early)
     n_accepted: Sequence[int]  # one count per sequence in the batch
     accept_probs: Sequence[float]  # min(1, p/q) at the drafted tokens examined (up to the first rejection)
-    draft_s: float  # time spent drafting all γ tokens
+    draft_s: float  # time spent drafting (max(drafted) batched draft forwards)
     target_s: float  # time of the one target forward that scored them
+
+
+def _any_accepted_all(fb: Feedback) -> bool:
+    """Some sequence kept every token it drafted."""
+    return any(n == d for n, d in zip(fb.n_accepted, fb.drafted))
 
 
 class Constant:
@@ -45,7 +51,7 @@ class HFHeuristic:
         return self.gamma
 
     def update(self, fb: Feedback) -> None:
-        if max(fb.n_accepted) == fb.gamma:
+        if _any_accepted_all(fb):
             self.gamma += 2
         else:
             self.gamma = max(1, self.gamma - 1)
@@ -65,7 +71,7 @@ class BASS:
 
     def update(self, fb: Feedback) -> None:
         best = max(fb.n_accepted)
-        if best == fb.gamma:
+        if _any_accepted_all(fb):
             self.gamma = min(self.gamma + self.incre, self.limit)
             self.streak = 0
         else:
@@ -109,7 +115,7 @@ class Optimal:
         self.prob_sum += sum(fb.accept_probs)
         self.prob_count += len(fb.accept_probs)
         self.draft_s += fb.draft_s
-        self.draft_tokens += fb.gamma
+        self.draft_tokens += max(fb.drafted)  # draft forwards: the batch drafts its rows together
         self.target_s += fb.target_s
         self.target_calls += 1
         alpha = min(max(self.alpha, 0.0), 0.999)  # α → 1 would make every γ look free
@@ -117,6 +123,11 @@ class Optimal:
 
 
 _POLICIES = {"constant": Constant, "hf": HFHeuristic, "bass": BASS, "optimal": Optimal}
+
+
+def default_policy(batch: int) -> str:
+    """BASS Algorithm 1 for batches, transformers' heuristic for one sequence."""
+    return "bass" if batch > 1 else "hf"
 
 
 def make_policy(name: str, initial: int | None = None):

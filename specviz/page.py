@@ -7,6 +7,7 @@ app.py lays the page out and wires events to these functions. Each browser sessi
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import queue
 import tempfile
@@ -19,12 +20,16 @@ import torch
 
 from . import viz
 from .audio import load_audio
-from .compare import compare, text_runner
+from .compare import compare, source_runner
 from .config import SamplingConfig, SpecConfig, default_sigmoid_range
-from .engine import run_speculative
+from .engine import Source
+from .gamma import default_policy
 from .models import DEFAULT, ModelPair, Progress, load_pair
-from .prompts import InputError, max_prompt_tokens, summarization_prompt
-from .trace import IterationRecord, Trace
+from .prompts import InputError
+from .records import Iteration
+from .runs import builder_for, records
+from .text import article_source
+from .trace import Trace
 from .verify import kernels_active
 
 TEXT, SPEECH = "summarize", "transcribe"
@@ -39,7 +44,7 @@ class Settings:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    gamma_policy: str = "hf"
+    gamma_policy: str = "auto"  # auto: bass for a batch, hf for one sequence
     gamma_init: int = 0  # 0: the policy's default
     max_new_tokens: int = 96
     seed: int = 0
@@ -49,13 +54,16 @@ class Settings:
     draft_confidence: float = 0.0
     draft: str = DEFAULT
     target: str = DEFAULT
+    sequences: int = 1  # samples of the article decoded together (text only)
 
     def spec(self, task: str) -> SpecConfig:
         scale = default_sigmoid_range(task == SPEECH)
         sampling = SamplingConfig() if self.decoding == "greedy" else SamplingConfig(
             self.temperature, int(self.top_k), self.top_p)
+        batch = self.sequences if task == TEXT else 1
+        policy = default_policy(batch) if self.gamma_policy == "auto" else self.gamma_policy
         return SpecConfig(
-            mode=self.mode, sampling=sampling, gamma_policy=self.gamma_policy,
+            mode=self.mode, sampling=sampling, gamma_policy=policy,
             gamma_init=int(self.gamma_init) or None, max_new_tokens=int(self.max_new_tokens), seed=int(self.seed),
             lenience=self.lenience, draft_confidence=self.draft_confidence,
             sigmoid_alpha=-scale if self.sigmoid_alpha is None else self.sigmoid_alpha,
@@ -94,79 +102,87 @@ def device_summary() -> str:
     return f"CPU ({torch.get_num_threads()} threads) · verification: torch path"
 
 
-def _text_prompt(pair: ModelPair, article: str, cfg: SpecConfig) -> list[int]:
-    context = getattr(pair.target.config, "max_position_embeddings", 32768)
-    return summarization_prompt(pair.tokenizer, article, max_prompt_tokens(context, cfg.max_new_tokens))
+def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any]) -> Iterator[tuple[Trace, bool]]:
+    """Decode in a worker thread; yield (trace so far, finished) as iterations arrive.
 
-
-def _streamed(job: Callable[[Callable[[IterationRecord, Trace], None]], Trace]) -> Iterator[tuple[Trace, bool]]:
-    """Run job(on_iteration) in a thread; yield (trace so far, finished) as iterations arrive."""
+    The worker only produces immutable records and puts them on a queue; this generator, in the page's
+    thread, owns the TraceBuilder, so the trace it yields is never touched by another thread.
+    """
     updates: queue.Queue = queue.Queue()
-    outcome: dict[str, Any] = {}
+    builder = builder_for(source, cfg, meta=meta)
 
     def work() -> None:
         try:
-            outcome["trace"] = job(lambda record, trace: updates.put(trace))
-        except BaseException as e:  # re-raised in the caller's thread, where the page reports it
-            outcome["error"] = e
+            for event in records(source, cfg):
+                updates.put(event)
+        except BaseException as e:  # re-raised in the page's thread, where the page reports it
+            updates.put(_Failure(e))
         finally:
             updates.put(None)
 
     threading.Thread(target=work, daemon=True).start()
     while (item := updates.get()) is not None:
-        yield item, False
-    if "error" in outcome:
-        raise outcome["error"]
-    yield outcome["trace"], True
+        if isinstance(item, _Failure):
+            raise item.error
+        builder.add(item)
+        if isinstance(item, Iteration):
+            yield builder.trace, False
+    yield builder.trace, True
 
 
-def stream_summary(models: ModelCache, article: str, settings: Settings, progress: Progress) -> Iterator[tuple[Trace, bool]]:
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+def _article_source(models: ModelCache, article: str, settings: Settings, cfg: SpecConfig,
+                    progress: Progress) -> Source:
     if not article or not article.strip():
         raise InputError("the article is empty: paste some text or load the sample")
-    cfg = settings.spec(TEXT)
+    if not 1 <= settings.sequences <= 8:
+        raise InputError(f"the page decodes 1 to 8 sequences at once, not {settings.sequences}")
     pair = models.text(settings.draft, settings.target, progress)
-    prompt = _text_prompt(pair, article, cfg)
-    return _streamed(lambda cb: run_speculative(pair, prompt, cfg, on_iteration=cb, meta={"task": TEXT, "input": article}))
+    return article_source(pair, [("article", article)], cfg, settings.sequences)
 
 
-def stream_transcript(models: ModelCache, audio_path: str | None, settings: Settings, progress: Progress,
-                      reference: str = "") -> Iterator[tuple[Trace, bool]]:
-    from .asr import transcribe, word_error_rate
+def _speech_source(models: ModelCache, audio_path: str | None, settings: Settings, progress: Progress) -> Source:
+    from .asr import SpeechSource
 
     if not audio_path:
         raise InputError("no audio: upload or record a clip, or load the sample")
     audio = load_audio(audio_path)
-    cfg = settings.spec(SPEECH)
     pair = models.speech(settings.draft, settings.target, progress)
+    return SpeechSource(pair, [(Path(audio_path).name, audio)])
 
-    def job(cb):
-        trace = transcribe(pair, audio, cfg, on_iteration=cb, meta={"input": Path(audio_path).name})
-        if reference.strip():
+
+def stream_summary(models: ModelCache, article: str, settings: Settings, progress: Progress) -> Iterator[tuple[Trace, bool]]:
+    cfg = settings.spec(TEXT)
+    source = _article_source(models, article, settings, cfg, progress)
+    return _streamed(source, cfg, {"input": article})
+
+
+def stream_transcript(models: ModelCache, audio_path: str | None, settings: Settings, progress: Progress,
+                      reference: str = "") -> Iterator[tuple[Trace, bool]]:
+    from .asr import word_error_rate
+
+    cfg = settings.spec(SPEECH)
+    source = _speech_source(models, audio_path, settings, progress)
+    for trace, done in _streamed(source, cfg, {"input": Path(audio_path).name}):
+        if done and reference.strip():
             trace.meta["reference"] = reference
             trace.meta["wer"] = word_error_rate(reference, trace.output_text)
-        return trace
-
-    return _streamed(job)
+        yield trace, done
 
 
 def compare_modes(models: ModelCache, task: str, source: str | None, settings: Settings, progress: Progress,
                   on_stage: Callable[[str], None]) -> tuple[list[dict], dict[str, Trace]]:
-    """Target-only, baseline, exact and sigmoid on the same input and seed."""
+    """Target-only, baseline, exact and sigmoid on the same input, batch and seed."""
     cfg = settings.spec(task)
     if task == TEXT:
-        if not source or not source.strip():
-            raise InputError("the article is empty: paste some text or load the sample")
-        pair = models.text(settings.draft, settings.target, progress)
-        run = text_runner(pair, _text_prompt(pair, source, cfg))
+        decoded = _article_source(models, source, settings, cfg, progress)
     else:
-        from .asr import transcribe
-
-        if not source:
-            raise InputError("no audio: upload or record a clip, or load the sample")
-        audio = load_audio(source)
-        pair = models.speech(settings.draft, settings.target, progress)
-        run = lambda c, target_only: transcribe(pair, audio, c, target_only=target_only)  # noqa: E731
-    rows, traces = compare(run, dataclasses.replace(cfg, mode="exact"), on_stage=on_stage)
+        decoded = _speech_source(models, source, settings, progress)
+    rows, traces = compare(source_runner(decoded), dataclasses.replace(cfg, mode="exact"), on_stage=on_stage)
     return [r.as_dict() for r in rows], traces
 
 
@@ -175,29 +191,44 @@ def sigmoid_drift(rows: list[dict], traces: dict[str, Trace]) -> str:
     exact, sigmoid = traces.get("exact"), traces.get("sigmoid")
     if not exact or not sigmoid:
         return ""
-    same = sum(a == b for a, b in zip(exact.output_ids, sigmoid.output_ids))
-    n = max(len(exact.output_ids), len(sigmoid.output_ids), 1)
-    first_diff = next((i for i, (a, b) in enumerate(zip(exact.output_ids, sigmoid.output_ids)) if a != b), None)
+    a_ids = [t for ids in exact.outputs for t in ids]
+    b_ids = [t for ids in sigmoid.outputs for t in ids]
+    same = sum(a == b for a, b in zip(a_ids, b_ids))
+    n = max(len(a_ids), len(b_ids), 1)
+    first_diff = next((i for i, (a, b) in enumerate(zip(a_ids, b_ids)) if a != b), None)
     ra, rb = exact.acceptance_rate() or 0.0, sigmoid.acceptance_rate() or 0.0
     return (f"**sigmoid vs exact**: {same}/{n} output tokens identical"
             + (f" (first difference at token {first_diff})" if first_diff is not None else "")
             + f"; acceptance rate {rb:.3f} vs {ra:.3f} ({rb - ra:+.3f}).")
 
 
+def _number(meta: dict, key: str) -> float | None:
+    value = meta.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def summary_markdown(trace: Trace) -> str:
     s = trace.summary()
-    lines = [f"**{s['mode']}** · {s['new_tokens']} tokens in {s['total_s']:.2f} s · **{s['tokens_per_s']:.2f} tokens/s** · "
+    lines = [f"**{html.escape(str(s['mode']))}** · {s['new_tokens']} tokens in {s['total_s']:.2f} s "
+             f"(prefill {s['prefill_s']:.2f} s) · **{s['tokens_per_s']:.2f} tokens/s** · "
              f"{s['target_forward_passes']} target forward passes"]
+    if s["sequences"] > 1:
+        line = (f"{s['sequences']} sequences, batch of {trace.batch_size} · {s['tokens_per_s_per_sequence']:.2f} tokens/s "
+                f"per sequence (each sequence's tokens over the time until it finished)")
+        if s.get("padding_fraction") is not None:
+            line += (f" · raggedness: {100 * s['padding_fraction']:.1f}% of the tokens fed were padding, "
+                     f"{100 * (s.get('cache_hole_fraction') or 0):.1f}% of KV-cache entries were masked holes")
+        lines.append(line)
     if "alpha" in s:
-        lines.append(f"α ≈ {s['alpha']:.3f} · acceptance rate {s['acceptance_rate']:.3f} · tokens/iteration "
+        lines.append(f"α ≈ {s['alpha']:.3f} · acceptance rate {s['acceptance_rate']:.3f} · tokens/iteration per sequence "
                      f"{s['tokens_per_iteration']:.2f} (Leviathan predicts {s['predicted_tokens_per_iteration']:.2f}) · "
                      f"median verify {s['median_verify_ms']:.2f} ms")
-    if "wer" in trace.meta:
-        lines.append(f"WER against the reference: {trace.meta['wer']:.3f}")
-    if "rouge1" in trace.meta:
-        lines.append(f"ROUGE-1 F against the reference: {trace.meta['rouge1']:.3f}")
-    lines.append(f"draft `{trace.meta.get('draft')}` → target `{trace.meta.get('target')}` on {trace.meta.get('device')}, "
-                 f"{trace.meta.get('dtype')}")
+    if (wer := _number(trace.meta, "wer")) is not None:
+        lines.append(f"WER against the reference: {wer:.3f}")
+    if (rouge := _number(trace.meta, "rouge1")) is not None:
+        lines.append(f"ROUGE-1 F against the reference: {rouge:.3f}")
+    names = {k: html.escape(str(trace.meta.get(k)))[:200] for k in ("draft", "target", "device", "dtype")}
+    lines.append(f"draft `{names['draft']}` → target `{names['target']}` on {names['device']}, {names['dtype']}")
     return "  \n".join(lines)
 
 
@@ -214,6 +245,7 @@ def figures(trace: Trace) -> dict[str, Any]:
         "acceptance": viz.acceptance_figure(trace),
         "timing": viz.timing_figure(trace),
         "theory": viz.theory_figure(trace),
+        "batch": viz.batch_figure(trace),
         "summary": summary_markdown(trace),
         "output": trace.output_text,
     }

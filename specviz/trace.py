@@ -1,7 +1,13 @@
-"""The trace: what happened in every iteration, a summary, and a versioned JSON form.
+"""The trace: every sequence's decisions, the batch's iterations, a summary, and a versioned JSON form.
 
 Only the trace crosses from the engine to the figures and the page; a trace loaded from JSON draws the
-same pictures as a live one.
+same pictures as a live one. A TraceBuilder turns the engine's records into a Trace; whoever consumes the
+records owns its builder, so no trace is shared between the decoding thread and a reader.
+
+Schema version 2 (batched): `sequences` (one per decoded sequence: label, prompt and output ids, output
+text, its per-iteration decisions) and `steps` (per iteration, once for the batch: γ, timings, padding and
+cache-hole counts). Version 1 files (one sequence, decisions and timings together in `iterations`) are
+read and converted.
 """
 
 from __future__ import annotations
@@ -11,15 +17,13 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import theory
+from .records import (DISCARDED, FINISH_REASONS, NEXT_KINDS, OUTCOMES, TARGET, Completed, Decision, Event, Finished,
+                      Iteration, Prefilled, StepRecord)
 
-SCHEMA_VERSION = 1
-
-# Outcome of each drafted token, then of the token verification adds.
-ACCEPTED, REJECTED, DISCARDED = "accepted", "rejected", "discarded"  # discarded: drafted after a rejection
-RESAMPLED, BONUS = "resampled", "bonus"
+SCHEMA_VERSION = 2
 
 
 class TraceFormatError(ValueError):
@@ -27,53 +31,82 @@ class TraceFormatError(ValueError):
 
 
 @dataclass
-class IterationRecord:
+class SequenceTrace:
     index: int
-    gamma: int
-    draft_ids: list[int]
-    draft_text: list[str]
-    q: list[float]  # draft probability of each drafted token
-    p: list[float]  # target probability of each drafted token
-    accept_prob: list[float]  # min(1, p / (l·q))
-    uniform: list[float]  # the uniform each drafted token was compared with
-    outcome: list[str]  # ACCEPTED / REJECTED / DISCARDED per drafted token
-    n_accepted: int
-    next_id: int
-    next_text: str
-    next_kind: str  # RESAMPLED or BONUS
-    emitted: int  # tokens appended to the output (fewer than n_accepted + 1 at EOS or the token limit)
-    draft_s: float
-    target_s: float
-    verify_s: float
-    window: int = 0  # speech: which 30 s audio window this iteration decoded
+    label: str
+    group: str  # sequences of one group form one output (speech: the 30 s windows of one file)
+    info: dict[str, Any]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_text: str
+    decisions: list[Decision] = field(default_factory=list)
+    finish: str = ""  # "eos", "length", or "" while decoding
+    finished_s: float = 0.0  # seconds from the start of the run until it left the batch
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.output_ids) / self.finished_s if self.finished_s > 0 else 0.0
 
 
 @dataclass
 class Trace:
-    meta: dict[str, Any]  # mode, sampling, γ policy, models, device, dtype, prompt, ...
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_text: str
-    iterations: list[IterationRecord] = field(default_factory=list)
+    meta: dict[str, Any]  # mode, config (sampling, γ policy, ...), models, device, dtype, task, batch size
+    sequences: list[SequenceTrace]
+    steps: list[StepRecord] = field(default_factory=list)
     prefill_s: float = 0.0
-    total_s: float = 0.0  # wall time of the whole decode, prefill included
+    prefill_passes: int = 0  # groups of sequences prefilled (one per batch of up to batch_size sequences)
+    total_s: float = 0.0  # wall time of the whole run, prefill included
     schema_version: int = SCHEMA_VERSION
+
+    # ---- outputs -------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return max((len(s.sequences) for s in self.steps), default=len(self.sequences))
+
+    def texts(self) -> dict[str, str]:
+        """Output text per group (speech joins a file's windows)."""
+        out: dict[str, list[str]] = {}
+        for s in self.sequences:
+            out.setdefault(s.group, []).append(s.output_text.strip())
+        return {g: " ".join(t for t in parts if t) for g, parts in out.items()}
+
+    @property
+    def output_text(self) -> str:
+        texts = self.texts()
+        if len(texts) == 1:
+            return next(iter(texts.values()))
+        return "\n\n".join(f"[{g}] {t}" for g, t in texts.items())
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [s.output_ids for s in self.sequences]
+
+    def decisions(self) -> list[Decision]:
+        return [d for s in self.sequences for d in s.decisions]
+
+    def drafted(self) -> list[Decision]:
+        """Decisions that drafted something (not target-only steps)."""
+        return [d for d in self.decisions() if d.gamma > 0]
 
     # ---- summary -------------------------------------------------------------------------------
     @property
     def new_tokens(self) -> int:
-        return len(self.output_ids)
+        return sum(len(s.output_ids) for s in self.sequences)
 
     @property
     def tokens_per_s(self) -> float:
+        """All sequences' tokens over the run's wall time (throughput)."""
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def per_sequence_tokens_per_s(self) -> float:
+        """Mean over sequences of tokens over the time until that sequence finished (its latency)."""
+        rates = [s.tokens_per_s for s in self.sequences if s.finished_s > 0]
+        return sum(rates) / len(rates) if rates else self.tokens_per_s
 
     @property
     def target_forward_passes(self) -> int:
-        """Target forwards, the prefill included (target-only: one per generated token)."""
-        if self.meta.get("mode") == "target-only":
-            return self.new_tokens
-        return len(self.iterations) + 1
+        """Batched target forwards: one per iteration plus one prefill per group of sequences."""
+        return len(self.steps) + self.prefill_passes
 
     def alpha_estimate(self) -> float | None:
         """Mean of min(1, p/q) over the drafted tokens verification examined (up to the first rejection).
@@ -82,36 +115,54 @@ class Trace:
         (Leviathan §3) as seen along the decoded text; tokens drafted after a rejection are left out
         because their contexts never occur in the output.
         """
-        probs = [a for it in self.iterations for a, o in zip(it.accept_prob, it.outcome) if o != DISCARDED]
+        probs = [a for d in self.drafted() for a, o in zip(d.accept_prob, d.outcome) if o != DISCARDED]
         return sum(probs) / len(probs) if probs else None
 
     def acceptance_rate(self) -> float | None:
-        drafted = sum(it.gamma for it in self.iterations)
-        return sum(it.n_accepted for it in self.iterations) / drafted if drafted else None
+        drafted = self.drafted()
+        total = sum(d.gamma for d in drafted)
+        return sum(d.n_accepted for d in drafted) / total if total else None
+
+    def padding_fraction(self) -> float | None:
+        """Share of the tokens fed to draft and target that were padding (compute raggedness costs)."""
+        fed = sum(s.real_tokens + s.pad_tokens for s in self.steps)
+        return sum(s.pad_tokens for s in self.steps) / fed if fed else None
+
+    def hole_fraction(self) -> float | None:
+        """Mean share of KV-cache entries that were masked holes, over iterations."""
+        shares = [s.cache_holes / s.cache_slots for s in self.steps if s.cache_slots]
+        return sum(shares) / len(shares) if shares else None
 
     def summary(self) -> dict[str, Any]:
-        its = self.iterations
-        alpha = self.alpha_estimate()
         out: dict[str, Any] = {
             "mode": self.meta.get("mode"),
+            "sequences": len(self.sequences),
             "new_tokens": self.new_tokens,
             "total_s": self.total_s,
+            "prefill_s": self.prefill_s,
             "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_sequence": self.per_sequence_tokens_per_s(),
             "target_forward_passes": self.target_forward_passes,
         }
-        if its:
+        steps = self.steps
+        if steps:
+            out.update(iterations=len(steps), median_target_ms=1e3 * statistics.median(s.target_s for s in steps))
+        drafted = self.drafted()
+        if drafted:
+            alpha = self.alpha_estimate()
             out.update(
-                iterations=len(its),
                 alpha=alpha,
                 acceptance_rate=self.acceptance_rate(),
-                tokens_per_iteration=sum(it.n_accepted + 1 for it in its) / len(its),
-                predicted_tokens_per_iteration=sum(theory.expected_tokens(alpha, it.gamma) for it in its) / len(its),
-                mean_gamma=sum(it.gamma for it in its) / len(its),
-                draft_s=sum(it.draft_s for it in its),
-                target_s=sum(it.target_s for it in its),
-                verify_s=sum(it.verify_s for it in its),
-                median_verify_ms=1e3 * statistics.median(it.verify_s for it in its),
+                tokens_per_iteration=sum(d.n_accepted + 1 for d in drafted) / len(drafted),
+                predicted_tokens_per_iteration=sum(theory.expected_tokens(alpha, d.gamma) for d in drafted) / len(drafted),
+                mean_gamma=sum(d.gamma for d in drafted) / len(drafted),
+                draft_s=sum(s.draft_s for s in steps),
+                target_s=sum(s.target_s for s in steps),
+                verify_s=sum(s.verify_s for s in steps),
+                median_verify_ms=1e3 * statistics.median(s.verify_s for s in steps),
             )
+        if len(self.sequences) > 1:
+            out.update(padding_fraction=self.padding_fraction(), cache_hole_fraction=self.hole_fraction())
         return out
 
     # ---- JSON ----------------------------------------------------------------------------------
@@ -136,16 +187,9 @@ class Trace:
             )
         if version < 1:
             raise TraceFormatError(f"unknown trace schema_version {version}")
-        top = _typed(d, cls, "trace", skip={"iterations", "summary"})
-        its = d.get("iterations", [])
-        if not isinstance(its, list):
-            raise TraceFormatError("malformed trace: 'iterations' must be a list")
-        top["iterations"] = [IterationRecord(**_typed(it, IterationRecord, f"iteration {i}")) for i, it in enumerate(its)]
-        for i, it in enumerate(top["iterations"]):
-            lengths = {len(getattr(it, k)) for k in ("draft_ids", "draft_text", "q", "p", "accept_prob", "uniform", "outcome")}
-            if lengths != {it.gamma}:
-                raise TraceFormatError(f"malformed trace: iteration {i} has per-token lists that do not all have γ = {it.gamma} entries")
-        return cls(**top)
+        trace = _from_v1(d) if version == 1 else _from_v2(d)
+        _check_consistent(trace)
+        return trace
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
@@ -157,15 +201,59 @@ class Trace:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{Path(path).name} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
+        except RecursionError:
+            raise TraceFormatError(f"{Path(path).name} nests too deeply to be a specviz trace") from None
         return cls.from_dict(data)
 
+
+class TraceBuilder:
+    """Builds a Trace from the engine's records, in the consumer's thread."""
+
+    def __init__(self, meta: dict[str, Any], sequences: list, detokenize: Callable[[list[int]], str]):
+        self.detokenize = detokenize
+        self.trace = Trace(meta=dict(meta), sequences=[
+            SequenceTrace(i, s.label, s.group, dict(s.info), list(s.prompt_ids), [], "") for i, s in enumerate(sequences)
+        ])
+
+    def add(self, event: Event) -> None:
+        trace = self.trace
+        if isinstance(event, Prefilled):
+            trace.prefill_s += event.seconds
+            trace.prefill_passes += 1
+        elif isinstance(event, Iteration):
+            trace.steps.append(event.step)
+            trace.total_s = event.step.end_s
+            for d in event.decisions:
+                seq = trace.sequences[d.sequence]
+                seq.decisions.append(d)
+                seq.output_ids.extend(d.tokens)
+                seq.output_text = self.detokenize(seq.output_ids)
+        elif isinstance(event, Finished):
+            seq = trace.sequences[event.sequence]
+            seq.finish, seq.finished_s = event.reason, event.at_s
+        elif isinstance(event, Completed):
+            trace.total_s = event.total_s
+
+
+# ---- reading ---------------------------------------------------------------------------------------
 
 _JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "list[int]": (list,), "list[str]": (list,),
                "list[float]": (list,), "dict[str, Any]": (dict,)}
 _ELEMENT_TYPES = {"list[int]": (int,), "list[str]": (str,), "list[float]": (int, float)}
+_TYPE_NAMES = {"int": "an integer", "float": "a finite number", "str": "a string", "list[int]": "a list of integers",
+               "list[str]": "a list of strings", "list[float]": "a list of finite numbers", "dict[str, Any]": "an object"}
 
 
-def _typed(d: Any, cls: type, where: str, skip: set[str] = frozenset()) -> dict[str, Any]:
+def _json_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _typed(d: Any, cls: type, where: str, skip: set[str] = frozenset(), optional: set[str] = frozenset()) -> dict[str, Any]:
     """Check that d has every field of dataclass cls with a JSON value of the right type."""
     if not isinstance(d, dict):
         raise TraceFormatError(f"malformed trace: {where} must be a JSON object")
@@ -174,15 +262,141 @@ def _typed(d: Any, cls: type, where: str, skip: set[str] = frozenset()) -> dict[
         if f.name in skip:
             continue
         if f.name not in d:
+            if f.name in optional:
+                continue
             raise TraceFormatError(f"malformed trace: {where} is missing '{f.name}'")
         value = d[f.name]
         kind = str(f.type)
         ok = isinstance(value, _JSON_TYPES[kind]) and not isinstance(value, bool)
         if ok and kind in _ELEMENT_TYPES:
-            ok = all(isinstance(v, _ELEMENT_TYPES[kind]) and not isinstance(v, bool) for v in value)
+            bad = [v for v in value if not isinstance(v, _ELEMENT_TYPES[kind]) or isinstance(v, bool)
+                   or (kind == "list[float]" and not math.isfinite(v))]
+            if bad:
+                raise TraceFormatError(f"malformed trace: '{f.name}' in {where} should be {_TYPE_NAMES[kind]}, "
+                                       f"but holds {_json_name(bad[0])}")
         if ok and kind == "float":
             ok = math.isfinite(value)
         if not ok:
-            raise TraceFormatError(f"malformed trace: '{f.name}' in {where} should be {kind}, got {type(value).__name__}")
+            raise TraceFormatError(f"malformed trace: '{f.name}' in {where} should be {_TYPE_NAMES[kind]}, "
+                                   f"got {_json_name(value)}")
         out[f.name] = value
     return out
+
+
+def _list(d: dict, key: str, where: str) -> list:
+    value = d.get(key, [])
+    if not isinstance(value, list):
+        raise TraceFormatError(f"malformed trace: '{key}' in {where} must be a list")
+    return value
+
+
+def _from_v2(d: dict) -> Trace:
+    top = _typed(d, Trace, "trace", skip={"sequences", "steps"})
+    steps = [StepRecord(**_typed(s, StepRecord, f"step {i}")) for i, s in enumerate(_list(d, "steps", "trace"))]
+    sequences = []
+    for i, s in enumerate(_list(d, "sequences", "trace")):
+        where = f"sequence {i}"
+        seq = SequenceTrace(**_typed(s, SequenceTrace, where, skip={"decisions"}))
+        seq.decisions = [Decision(**_typed(x, Decision, f"decision {k} of {where}"))
+                         for k, x in enumerate(_list(s, "decisions", where))]
+        sequences.append(seq)
+    if not sequences:
+        raise TraceFormatError("malformed trace: 'sequences' is empty")
+    return Trace(**top, sequences=sequences, steps=steps)
+
+
+@dataclass
+class _V1Iteration:
+    """A version-1 iteration: one sequence's decisions and the timings together."""
+
+    index: int
+    gamma: int
+    draft_ids: list[int]
+    draft_text: list[str]
+    q: list[float]
+    p: list[float]
+    accept_prob: list[float]
+    uniform: list[float]
+    outcome: list[str]
+    n_accepted: int
+    next_id: int
+    next_text: str
+    next_kind: str
+    emitted: int
+    draft_s: float
+    target_s: float
+    verify_s: float
+    window: int = 0
+
+
+@dataclass
+class _V1Top:
+    meta: dict[str, Any]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_text: str
+    prefill_s: float
+    total_s: float
+
+
+def _from_v1(d: dict) -> Trace:
+    top = _typed(d, _V1Top, "trace")
+    its = [_V1Iteration(**_typed(it, _V1Iteration, f"iteration {i}", optional={"window"}))
+           for i, it in enumerate(_list(d, "iterations", "trace"))]
+    decisions, steps, end = [], [], top["prefill_s"]
+    for k, it in enumerate(its):
+        end += it.draft_s + it.target_s + it.verify_s
+        steps.append(StepRecord(index=k, gamma=it.gamma, sequences=[0], draft_s=it.draft_s, target_s=it.target_s,
+                                verify_s=it.verify_s, end_s=end, real_tokens=0, pad_tokens=0, cache_slots=0,
+                                cache_holes=0))
+        decisions.append(Decision(step=k, sequence=0, gamma=it.gamma, draft_ids=it.draft_ids, draft_text=it.draft_text,
+                                  q=it.q, p=it.p, accept_prob=it.accept_prob, uniform=it.uniform, outcome=it.outcome,
+                                  n_accepted=it.n_accepted, next_id=it.next_id, next_text=it.next_text,
+                                  next_kind=it.next_kind, emitted=it.emitted))
+    meta = top["meta"]
+    seq = SequenceTrace(0, str(meta.get("input", "input"))[:80], "input", {}, top["prompt_ids"], top["output_ids"],
+                        top["output_text"], decisions, "", top["total_s"])
+    return Trace(meta=meta, sequences=[seq], steps=steps, prefill_s=top["prefill_s"], prefill_passes=1,
+                 total_s=top["total_s"])
+
+
+def _check_consistent(trace: Trace) -> None:
+    """What types alone cannot say: list lengths, enumerations, ranges, and references between parts."""
+    n_steps = len(trace.steps)
+    for k, step in enumerate(trace.steps):
+        if step.index != k:
+            raise TraceFormatError(f"malformed trace: step {k} says it is step {step.index}")
+        if any(not 0 <= s < len(trace.sequences) for s in step.sequences):
+            raise TraceFormatError(f"malformed trace: step {k} names a sequence that the trace does not have")
+        if step.gamma < 0 or min(step.real_tokens, step.pad_tokens, step.cache_slots, step.cache_holes) < 0 \
+                or step.cache_holes > step.cache_slots:
+            raise TraceFormatError(f"malformed trace: step {k} has a negative γ or count, or more holes than slots")
+    for i, seq in enumerate(trace.sequences):
+        if seq.index != i:
+            raise TraceFormatError(f"malformed trace: sequence {i} says it is sequence {seq.index}")
+        if seq.finish not in FINISH_REASONS:
+            raise TraceFormatError(f"malformed trace: sequence {i} has finish {seq.finish[:40]!r}; "
+                                   f"expected one of {', '.join(repr(r) for r in FINISH_REASONS)}")
+        for k, d in enumerate(seq.decisions):
+            where = f"decision {k} of sequence {i}"
+            if d.sequence != i:
+                raise TraceFormatError(f"malformed trace: {where} belongs to sequence {d.sequence}")
+            if n_steps and not 0 <= d.step < n_steps:
+                raise TraceFormatError(f"malformed trace: {where} refers to step {d.step}, which the trace lacks")
+            lists = ("draft_ids", "draft_text", "q", "p", "accept_prob", "uniform", "outcome")
+            if {len(getattr(d, name)) for name in lists} != {d.gamma}:
+                raise TraceFormatError(f"malformed trace: {where} has per-token lists that do not all have "
+                                       f"γ = {d.gamma} entries")
+            if bad := [o for o in d.outcome if o not in OUTCOMES]:
+                raise TraceFormatError(f"malformed trace: {where} has outcome {bad[0][:40]!r}; expected one of "
+                                       f"{', '.join(OUTCOMES)}")
+            if d.next_kind not in NEXT_KINDS:
+                raise TraceFormatError(f"malformed trace: {where} has next_kind {d.next_kind[:40]!r}; expected one "
+                                       f"of {', '.join(NEXT_KINDS)}")
+            if not 0 <= d.n_accepted <= d.gamma or not 0 <= d.emitted <= d.n_accepted + 1:
+                raise TraceFormatError(f"malformed trace: {where} has n_accepted {d.n_accepted} and emitted "
+                                       f"{d.emitted} for γ = {d.gamma}")
+            if (d.gamma == 0) != (d.next_kind == TARGET):
+                raise TraceFormatError(f"malformed trace: {where}: only target-only steps draft nothing")
+            if any(not 0 <= x <= 1 for x in d.accept_prob + d.uniform):
+                raise TraceFormatError(f"malformed trace: {where} has an acceptance probability or uniform outside [0, 1]")

@@ -100,3 +100,25 @@ def tiny_pair(tokenizer) -> ModelPair:
 def prompt_ids() -> list[int]:
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, VOCAB - 1, (12,), generator=g).tolist()
+
+
+def prompts_source(pair: ModelPair, prompts: list[list[int]]):
+    """A text source over raw prompt ids, one sequence each."""
+    from specviz.engine import SequenceSpec
+    from specviz.text import TextSource
+
+    return TextSource(pair, [SequenceSpec(list(p), f"p{i}", f"p{i}", {}) for i, p in enumerate(prompts)])
+
+
+def decode(pair: ModelPair, prompts: list[list[int]], cfg, **kwargs):
+    """Decode raw prompts as one batch (or groups of batch_size) on the shared driver; returns the trace."""
+    from specviz.runs import run
+
+    return run(prompts_source(pair, prompts), cfg, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def batch_prompts() -> list[list[int]]:
+    """Three different prompts of different lengths."""
+    g = torch.Generator().manual_seed(17)
+    return [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (12, 5, 21)]

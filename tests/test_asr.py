@@ -11,11 +11,12 @@ import soundfile as sf
 import torch
 from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-from specviz.asr import SpeechPair, layer_draft, load_speech_pair, transcribe, word_error_rate
+from specviz.asr import SpeechPair, layer_draft, load_speech_pair, word_error_rate
 from specviz.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
 from specviz.config import SpecConfig
 from specviz.models import ModelLoadError
 from specviz.prompts import ASSETS
+from specviz.runs import transcribe as transcribe_clips
 
 from conftest import word_tokenizer
 
@@ -26,9 +27,9 @@ TINY_V = 300
 
 # ---- audio in ---------------------------------------------------------------------------------------
 
-def _tone(seconds: float, rate: int) -> np.ndarray:
+def _tone(seconds: float, rate: int, freq: float = 220) -> np.ndarray:
     t = np.arange(int(seconds * rate)) / rate
-    return (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
 
 
 @pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS")])
@@ -100,6 +101,10 @@ def test_resampling_uses_the_right_ratio():
 
 # ---- tiny Whisper on the shared loop --------------------------------------------------------------
 
+def transcribe(pair, audio, cfg, target_only=False, **kwargs):
+    return transcribe_clips(pair, [("clip", audio)], cfg, target_only=target_only, **kwargs)
+
+
 def tiny_whisper(seed: int = 0) -> WhisperForConditionalGeneration:
     torch.manual_seed(seed)
     config = WhisperConfig(
@@ -142,20 +147,34 @@ def test_greedy_speculative_transcript_equals_target_only(tiny_speech_pair, mode
     cfg = SpecConfig(mode=mode, gamma_policy=policy, max_new_tokens=30)
     reference = transcribe(tiny_speech_pair, audio, cfg, target_only=True)
     trace = transcribe(tiny_speech_pair, audio, cfg)
-    assert trace.output_ids == reference.output_ids
-    assert len(trace.output_ids) > 0
-    assert all(t not in (1, 2, 3) for t in trace.output_ids)  # suppressed tokens never appear
-    assert trace.prompt_ids == [TINY_V - 3, TINY_V - 2]  # start + no-timestamps are the marked prompt
+    assert trace.outputs == reference.outputs
+    assert len(trace.outputs[0]) > 0
+    assert all(t not in (1, 2, 3) for t in trace.outputs[0])  # suppressed tokens never appear
+    assert trace.sequences[0].prompt_ids == [TINY_V - 3, TINY_V - 2]  # start + no-timestamps are the marked prompt
 
 
-def test_long_audio_is_windowed(tiny_speech_pair):
-    audio = _tone(65.0, SAMPLE_RATE)
-    trace = transcribe(tiny_speech_pair, audio, SpecConfig(mode="exact", max_new_tokens=6))
-    windows = trace.meta["windows"]
-    assert [w["start_s"] for w in windows] == [0.0, 30.0, 60.0]
-    assert windows[-1]["end_s"] == pytest.approx(65.0)
-    assert {it.window for it in trace.iterations} == {0, 1, 2}
-    assert sum(len(w["output_ids"]) for w in windows) == len(trace.output_ids)
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_long_audio_is_windowed_and_its_windows_batch(tiny_speech_pair, batch_size):
+    """65 s: three windows, each one sequence; decoded together they give what each gives alone."""
+    audio = _tone(65.0, SAMPLE_RATE) + 0.1 * np.random.default_rng(0).standard_normal(65 * SAMPLE_RATE).astype(np.float32)
+    cfg = SpecConfig(mode="exact", max_new_tokens=12)
+    trace = transcribe(tiny_speech_pair, audio, cfg, batch_size=batch_size)
+    assert [s.info["start_s"] for s in trace.sequences] == [0.0, 30.0, 60.0]
+    assert trace.sequences[-1].info["end_s"] == pytest.approx(65.0)
+    assert {len(step.sequences) for step in trace.steps} <= {1, 2, 3} and trace.batch_size == batch_size
+    alone = [transcribe_clips(tiny_speech_pair, [("w", chunk)], cfg, target_only=True).outputs[0]
+             for chunk in (audio[:30 * SAMPLE_RATE], audio[30 * SAMPLE_RATE:60 * SAMPLE_RATE], audio[60 * SAMPLE_RATE:])]
+    assert trace.outputs == alone
+    assert list(trace.texts()) == ["clip"]  # one clip, one output text
+
+
+def test_several_clips_decode_as_one_batch(tiny_speech_pair):
+    clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((2.0, 4.0, 3.0))]
+    cfg = SpecConfig(mode="baseline", gamma_policy="bass", max_new_tokens=20)
+    batched = transcribe_clips(tiny_speech_pair, clips, cfg)
+    assert batched.batch_size == 3
+    for i, clip in enumerate(clips):
+        assert batched.outputs[i] == transcribe_clips(tiny_speech_pair, [clip], cfg, target_only=True).outputs[0]
 
 
 def test_word_error_rate_normalizes():
@@ -209,7 +228,7 @@ def test_sample_clip_speculative_equals_target_only(base_pair, mode):
     audio = load_audio(SAMPLE)
     reference = transcribe(base_pair, audio, SpecConfig(max_new_tokens=200), target_only=True)
     trace = transcribe(base_pair, audio, SpecConfig(mode=mode, max_new_tokens=200))
-    assert trace.output_ids == reference.output_ids
+    assert trace.outputs == reference.outputs
     assert trace.summary()["acceptance_rate"] > 0.4
 
 

@@ -9,12 +9,11 @@ import torch
 
 from specviz import cli, verify
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.engine import run_speculative, run_target_only
 from specviz.models import ModelPair
 from specviz.prompts import InputError, max_prompt_tokens, sample_article, summarization_prompt
 from specviz.sampling import InvalidLogitsError
 
-from conftest import VOCAB, tiny_qwen
+from conftest import VOCAB, decode, tiny_qwen
 
 
 def test_empty_article(tokenizer):
@@ -79,9 +78,9 @@ def test_model_emitting_nan_stops_with_message(tokenizer):
     draft = tiny_qwen(1)
     pair = ModelPair(draft, target, tokenizer, "ok", "broken", VOCAB)
     with pytest.raises(InvalidLogitsError, match="target logits contain NaN"):
-        run_speculative(pair, [1, 2, 3], SpecConfig(max_new_tokens=5))
+        decode(pair, [[1, 2, 3]], SpecConfig(max_new_tokens=5))
     with pytest.raises(InvalidLogitsError, match="target logits contain NaN"):
-        run_target_only(pair, [1, 2, 3], SpecConfig(max_new_tokens=5))
+        decode(pair, [[1, 2, 3], [4, 5]], SpecConfig(max_new_tokens=5), target_only=True)
 
 
 @pytest.mark.parametrize(
@@ -105,6 +104,19 @@ def test_cli_empty_stdin_fails_fast(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
     assert cli.main(["generate", "-"]) == 2
     assert "article is empty" in capsys.readouterr().err
+
+
+def test_cli_refuses_samples_with_greedy_and_bad_batch_sizes(tmp_path, capsys):
+    article = tmp_path / "a.txt"
+    article.write_text("Some text to summarize.")
+    assert cli.main(["generate", str(article), "--num-sequences", "3"]) == 2
+    assert "greedy" in capsys.readouterr().err
+    assert cli.main(["generate", str(article), "--batch-size", "0"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+    assert cli.main(["generate", str(article), str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert cli.main(["compare", str(article), str(tmp_path / "clip.wav"), "--max-new-tokens", "4"]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 def test_cli_missing_and_binary_files(tmp_path, capsys):

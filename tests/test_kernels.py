@@ -43,7 +43,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+from specviz.verify import project_kernels
+
+kernels = project_kernels()  # the project's own kernels/ (a PyPI package is also named `kernels`)
 from specviz.config import SamplingConfig
 from specviz.sampling import InvalidLogitsError, standardize
 from specviz.verify.tiled import verify_tiled
@@ -70,7 +72,8 @@ def torch_path(mode, tokens, draft_logits, target_logits, sampling, lenience, al
     device = target_logits.device
     gen = torch.Generator(device=device).manual_seed(seed)
     state = gen.get_state()
-    ref = verify_tiled(tokens, draft_logits, target_logits, sampling, gen, lenience=lenience,
+    lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=device)
+    ref = verify_tiled(tokens, draft_logits, target_logits, lengths, sampling, gen, lenience=lenience,
                        sigmoid=(alpha, beta) if mode == "sigmoid" else None)
     replay = torch.Generator(device=device)
     replay.set_state(state)
@@ -203,7 +206,7 @@ def test_import_without_cupy():
     """The package imports and reports unavailability when CuPy cannot be imported (even on a GPU machine)."""
     code = (
         "import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
-        "import kernels\n"
+        "from specviz.verify import project_kernels; kernels = project_kernels()\n"
         "assert kernels.available() is False, kernels.unavailable_reason()\n"
         "print('reason:', kernels.unavailable_reason())\n"
     )

@@ -167,9 +167,9 @@ def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
     path = tmp_path / "trace.json"
     download.value.save_as(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
     trace = Trace.load(path)  # validates every field
-    assert trace.new_tokens == 24 and trace.iterations
+    assert trace.new_tokens == 24 and trace.steps
 
     fresh = page.context.new_page()  # a new session: no model run, only the file
     fresh.goto(page.url)
@@ -179,6 +179,25 @@ def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
                             timeout=60_000)
     assert fresh.inner_html("#token-view .sv-tokens") == before
     fresh.wait_for_selector("#gamma-plot .js-plotly-plot", timeout=30_000)
+
+
+def test_three_sequences_show_three_lanes(page, tiny_dirs, shots):
+    """Sequences = 3 with sampling: one batch, each iteration shows a lane per sequence under one target
+    call, the batch figure and the raggedness figures appear."""
+    _use_models(page, *tiny_dirs)
+    page.locator("#decoding-select input[value=sample]").check()
+    page.locator("#num-sequences input[type=number]").fill("3")
+    page.locator("#num-sequences input[type=number]").press("Tab")
+    status = _run_text(page, max_new=16)
+    assert "Done" in status, status
+    lanes = page.locator("#token-view .sv-lane .sv-iter").all_inner_texts()
+    assert {text.split()[0] for text in lanes} == {"s1", "s2", "s3"}
+    first_call = page.locator("#token-view .sv-step").first.inner_text()
+    assert "one target call for 3 sequences" in first_call
+    page.wait_for_selector("#batch-plot .js-plotly-plot", timeout=30_000)
+    summary = page.inner_text("#run-summary")
+    assert "3 sequences, batch of 3" in summary and "padding" in summary
+    page.screenshot(path=str(shots / "summarize-three-lanes.png"), full_page=True)
 
 
 def test_corrupt_trace_shows_error(page, tmp_path):

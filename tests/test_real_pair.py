@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from specviz.config import SpecConfig
-from specviz.engine import run_speculative, run_target_only
 from specviz.models import load_pair
 from specviz.prompts import sample_article, summarization_prompt
+
+from conftest import decode
 
 pytestmark = pytest.mark.real
 
@@ -19,15 +20,19 @@ def pair():
     return load_pair(dtype="fp32", device="cpu")
 
 
+def _paragraphs(pair, start: int, stop: int) -> list[int]:
+    text = "\n\n".join(sample_article().split("\n\n")[start:stop])
+    return summarization_prompt(pair.tokenizer, text, 4096)
+
+
 @pytest.fixture(scope="module")
 def prompt(pair):
-    first_paragraphs = "\n\n".join(sample_article().split("\n\n")[:2])
-    return summarization_prompt(pair.tokenizer, first_paragraphs, 4096)
+    return _paragraphs(pair, 0, 2)
 
 
 @pytest.fixture(scope="module")
 def reference(pair, prompt):
-    return run_target_only(pair, prompt, SpecConfig(max_new_tokens=NEW_TOKENS))
+    return decode(pair, [prompt], SpecConfig(max_new_tokens=NEW_TOKENS), target_only=True)
 
 
 def test_pair_shares_the_vocabulary(pair):
@@ -41,8 +46,19 @@ def test_target_only_summarizes(reference):
 
 @pytest.mark.parametrize("mode", ["baseline", "exact"])
 def test_greedy_fp32_speculative_equals_target_only(pair, prompt, reference, mode):
-    trace = run_speculative(pair, prompt, SpecConfig(mode=mode, gamma_policy="hf", max_new_tokens=NEW_TOKENS))
-    assert trace.output_ids == reference.output_ids
+    trace = decode(pair, [prompt], SpecConfig(mode=mode, gamma_policy="hf", max_new_tokens=NEW_TOKENS))
+    assert trace.outputs == reference.outputs
     s = trace.summary()
     assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often
     assert s["target_forward_passes"] < NEW_TOKENS
+
+
+def test_batched_greedy_fp32_equals_each_article_alone(pair, prompt, reference):
+    """Two different excerpts (prompts of different lengths) in one batch, BASS policy: each summary is
+    its own single-sequence target-only output, token for token."""
+    other = _paragraphs(pair, 2, 4)
+    assert len(other) != len(prompt)
+    alone = decode(pair, [other], SpecConfig(max_new_tokens=NEW_TOKENS), target_only=True)
+    trace = decode(pair, [prompt, other], SpecConfig(mode="exact", gamma_policy="bass", max_new_tokens=NEW_TOKENS))
+    assert trace.outputs == reference.outputs + alone.outputs
+    assert trace.summary()["acceptance_rate"] > 0.3

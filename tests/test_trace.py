@@ -1,4 +1,5 @@
-"""Trace JSON: round trip, and clear refusals for what is not a trace this version can read."""
+"""Trace JSON: round trip of batched (version 2) traces, version-1 files still read, and clear refusals for
+what is not a trace this version can read."""
 
 from __future__ import annotations
 
@@ -6,15 +7,35 @@ import json
 
 import pytest
 
+from specviz import viz
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.engine import run_speculative
+from specviz.page import figures
 from specviz.trace import SCHEMA_VERSION, Trace, TraceFormatError
+
+from conftest import decode
+
+V1_TRACE = {
+    "schema_version": 1,
+    "meta": {"mode": "exact", "config": {"gamma_policy": "hf"}, "draft": "d", "target": "t", "device": "cpu",
+             "dtype": "float32", "input": "an article"},
+    "prompt_ids": [1, 2, 3], "output_ids": [7, 8, 9, 10], "output_text": "w7 w8 w9 w10",
+    "iterations": [
+        {"index": 0, "gamma": 3, "draft_ids": [7, 8, 5], "draft_text": ["w7", "w8", "w5"], "q": [0.5, 0.4, 0.3],
+         "p": [0.6, 0.4, 0.1], "accept_prob": [1.0, 1.0, 0.333], "uniform": [0.2, 0.9, 0.7],
+         "outcome": ["accepted", "accepted", "rejected"], "n_accepted": 2, "next_id": 9, "next_text": "w9",
+         "next_kind": "resampled", "emitted": 3, "draft_s": 0.01, "target_s": 0.05, "verify_s": 0.001},
+        {"index": 1, "gamma": 1, "draft_ids": [10], "draft_text": ["w10"], "q": [0.9], "p": [0.95],
+         "accept_prob": [1.0], "uniform": [0.5], "outcome": ["accepted"], "n_accepted": 1, "next_id": 11,
+         "next_text": "w11", "next_kind": "bonus", "emitted": 1, "draft_s": 0.01, "target_s": 0.05, "verify_s": 0.001},
+    ],
+    "prefill_s": 0.5, "total_s": 0.7, "summary": {},
+}
 
 
 @pytest.fixture(scope="module")
-def trace(tiny_pair, prompt_ids) -> Trace:
+def trace(tiny_pair, batch_prompts) -> Trace:
     cfg = SpecConfig(mode="exact", sampling=SamplingConfig(temperature=1.0, top_p=0.9), max_new_tokens=20, seed=5)
-    return run_speculative(tiny_pair, prompt_ids, cfg, meta={"input": "ünïcode ✓ article"})
+    return decode(tiny_pair, batch_prompts, cfg, meta={"input": "ünïcode ✓ article"})
 
 
 def test_round_trip_is_equal(trace, tmp_path):
@@ -24,8 +45,32 @@ def test_round_trip_is_equal(trace, tmp_path):
     assert loaded == trace
     assert loaded.summary() == trace.summary()
     data = json.loads(path.read_text())
-    assert data["schema_version"] == SCHEMA_VERSION
-    assert data["summary"]["new_tokens"] == 20
+    assert data["schema_version"] == SCHEMA_VERSION == 2
+    assert data["summary"]["new_tokens"] == 60
+    assert [len(s["output_ids"]) for s in data["sequences"]] == [20, 20, 20]
+    assert {"output_text", "decisions", "label"} <= set(data["sequences"][0])
+    assert {"draft_s", "target_s", "verify_s", "pad_tokens", "cache_holes"} <= set(data["steps"][0])
+
+
+def test_version_1_traces_still_load_and_draw(tmp_path):
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(V1_TRACE))
+    trace = Trace.load(path)
+    assert trace.outputs == [[7, 8, 9, 10]] and trace.output_text == "w7 w8 w9 w10"
+    assert [d.n_accepted for d in trace.decisions()] == [2, 1] and len(trace.steps) == 2
+    assert trace.summary()["acceptance_rate"] == pytest.approx(3 / 4)
+    drawn = figures(trace)
+    assert drawn["tokens"].count("sv-line sv-lane") == 2 and "s1 γ" not in drawn["tokens"]
+    trace.save(tmp_path / "again.json")  # exports as version 2
+    assert Trace.load(tmp_path / "again.json") == trace
+
+
+def test_batched_trace_draws_lanes(trace):
+    html = viz.token_html(trace)
+    assert html.count("one target call for") == len(trace.steps)
+    assert "s1 γ" in html and "s3 γ" in html
+    fig = viz.batch_figure(trace)
+    assert len(fig.data[0].y) == 3  # one heatmap row per sequence
 
 
 def _write(tmp_path, payload) -> str:
@@ -34,19 +79,31 @@ def _write(tmp_path, payload) -> str:
     return path
 
 
+def _decision(d):
+    return d["sequences"][0]["decisions"][0]
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
         (lambda d: d.pop("schema_version"), "schema_version"),
         (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), "newer"),
         (lambda d: d.update(schema_version="1"), "schema_version"),
-        (lambda d: d.pop("output_ids"), "missing 'output_ids'"),
-        (lambda d: d["iterations"][0].pop("uniform"), "iteration 0 is missing 'uniform'"),
-        (lambda d: d["iterations"][0].update(gamma="five"), "'gamma' in iteration 0"),
-        (lambda d: d["iterations"][0].update(q=[0.5]), "γ ="),
-        (lambda d: d["iterations"][0].update(draft_ids=["a"] * len(d["iterations"][0]["draft_ids"])), "'draft_ids'"),
-        (lambda d: d.update(iterations={}), "'iterations' must be a list"),
-        (lambda d: d.update(total_s=True), "'total_s'"),
+        (lambda d: d.pop("sequences"), "'sequences' is empty"),
+        (lambda d: d["sequences"][0].pop("output_ids"), "sequence 0 is missing 'output_ids'"),
+        (lambda d: _decision(d).pop("uniform"), "decision 0 of sequence 0 is missing 'uniform'"),
+        (lambda d: _decision(d).update(gamma="five"), "'gamma' in decision 0 of sequence 0 should be an integer, got a string"),
+        (lambda d: _decision(d).update(q=[0.5] * 40), "γ ="),
+        (lambda d: _decision(d).update(draft_ids=["a"] * len(_decision(d)["draft_ids"])), "'draft_ids'"),
+        (lambda d: _decision(d).update(outcome=['" onmouseover="alert(1)'] * len(_decision(d)["outcome"])), "outcome"),
+        (lambda d: _decision(d).update(next_kind="<img>"), "next_kind"),
+        (lambda d: _decision(d).update(n_accepted=99), "n_accepted 99"),
+        (lambda d: _decision(d).update(step=10_000), "refers to step"),
+        (lambda d: d["steps"][0].update(sequences=[7]), "names a sequence"),
+        (lambda d: d["steps"][0].update(cache_holes=10**9), "more holes than slots"),
+        (lambda d: d.update(steps={}), "'steps' in trace must be a list"),
+        (lambda d: d.update(total_s=True), "'total_s' in trace should be a finite number, got a boolean"),
+        (lambda d: d["sequences"][0].update(finish="<b>"), "finish"),
     ],
 )
 def test_malformed_trace_is_refused(trace, tmp_path, mutate, message):
@@ -57,8 +114,25 @@ def test_malformed_trace_is_refused(trace, tmp_path, mutate, message):
 
 
 @pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.pop("output_ids"), "missing 'output_ids'"),
+        (lambda d: d["iterations"][0].pop("uniform"), "iteration 0 is missing 'uniform'"),
+        (lambda d: d["iterations"][0].update(q=[0.5]), "γ ="),
+        (lambda d: d.update(iterations={}), "'iterations' in trace must be a list"),
+    ],
+)
+def test_malformed_version_1_trace_is_refused(tmp_path, mutate, message):
+    data = json.loads(json.dumps(V1_TRACE))
+    mutate(data)
+    with pytest.raises(TraceFormatError, match=message):
+        Trace.load(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize(
     "payload, message",
-    [("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), ("", "not valid JSON")],
+    [("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), ("", "not valid JSON"),
+     ("[" * 100_000 + "]" * 100_000, "nests too deeply|JSON object")],
 )
 def test_not_a_trace(tmp_path, payload, message):
     with pytest.raises(TraceFormatError, match=message):

@@ -680,3 +680,89 @@ def test_baseline_matches_transformers() -> None:
         seen_n["none" if n == 0 else "all" if n == gamma else "some"] += 1
     assert not mismatches, f"(seed, γ, V, hf n, hf tokens, our n, our tokens): {mismatches[:5]}"
     assert min(seen_n.values()) >= 20, f"cases should cover all accept patterns: {seen_n}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ragged batches: rows that drafted fewer tokens than γ (draft_lengths)
+# ----------------------------------------------------------------------------------------------------
+
+RAGGED_GAMMA = 3
+
+
+def ragged_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position logits independent of context (so position j of the output must follow p_j):
+    draft [γ, V] and target [γ+1, V], V = 16, every position a different distribution."""
+    g = torch.Generator().manual_seed(2024)
+    return 1.5 * torch.randn(RAGGED_GAMMA, 16, generator=g), 1.5 * torch.randn(RAGGED_GAMMA + 1, 16, generator=g)
+
+
+def ragged_batch(draft: torch.Tensor, target: torch.Tensor, lengths: list[int], seed: int):
+    """Rows drafting lengths[r] tokens from q; everything beyond a row's length is garbage that verify
+    must never read into a decision (random tokens and logits, different in every row)."""
+    g = torch.Generator().manual_seed(seed)
+    n, (gamma, vocab) = len(lengths), draft.shape
+    q = draft.softmax(-1)
+    tokens = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=g) for j in range(gamma)], dim=1)
+    draft_logits = draft.expand(n, -1, -1).clone()
+    target_logits = target.expand(n, -1, -1).clone()
+    length = torch.tensor(lengths)
+    pad_draft = torch.arange(gamma) >= length[:, None]  # [n, γ]
+    pad_target = torch.arange(gamma + 1) > length[:, None]  # [n, γ+1]: position L is the row's bonus
+    tokens = torch.where(pad_draft, torch.randint(0, vocab, (n, gamma), generator=g), tokens)
+    draft_logits[pad_draft] = 5 * torch.randn(int(pad_draft.sum()), vocab, generator=g)
+    target_logits[pad_target] = 5 * torch.randn(int(pad_target.sum()), vocab, generator=g)
+    return tokens, draft_logits, target_logits
+
+
+@pytest.mark.parametrize("mode", ["baseline", "exact"])
+def test_ragged_rows_stay_exact(mode: str) -> None:
+    """Rows of one batch draft 1, 2 or 3 tokens. For a row of length L the token at output position j ≤ L
+    (emitted when the first j drafts were kept) must follow p_j; position L is the bonus from target
+    position L, not γ. Each of the 6 (L, j) checks detects TV ≥ 0.02 with power 0.99 at level 1e-3 / 6."""
+    draft, target = ragged_pair()
+    alpha = FAMILY_ALPHA / 6
+    p = target.double().softmax(-1).numpy()
+    per_length = samples_to_detect_tv(0.02, 15, alpha, POWER) * 4  # position L is reached by ~α^L of the rows
+    lengths = [1 + (i % RAGGED_GAMMA) for i in range(per_length * RAGGED_GAMMA)]
+    tokens, d_logits, t_logits = ragged_batch(draft, target, lengths, seed=5)
+    result = specviz.verify(mode, tokens, d_logits, t_logits, sampling=T1, generator=torch.Generator().manual_seed(6),
+                            draft_lengths=lengths, **tile_kwargs(mode, 16))
+    n, nxt = result.n_accepted, result.next_token
+    length = torch.tensor(lengths)
+    assert bool((n <= length).all()), "a row kept more drafts than it drafted"
+    for L in range(1, RAGGED_GAMMA + 1):
+        rows = length == L
+        for j in range(L + 1):
+            reached = rows & (n >= j)  # rows whose output has a token at position j
+            if j == L:
+                token = nxt[reached]  # every draft kept: the bonus
+            else:
+                token = torch.where(n[reached] > j, tokens[reached, j], nxt[reached])  # kept draft, or the correction
+            counts = torch.bincount(token, minlength=16).numpy()
+            assert counts.sum() > 200, (L, j, int(counts.sum()))
+            failure = gof_failure(counts, p[j], alpha)
+            assert failure is None, f"{mode}, rows of length {L}, output position {j}: {failure}"
+
+
+@pytest.mark.parametrize("mode", ["baseline", "exact"])
+def test_a_row_does_not_depend_on_the_other_rows(mode: str) -> None:
+    """Same generator seed, same B and γ: changing every other row (its logits, tokens, length) leaves
+    row 0's decision and next token unchanged."""
+    draft, target = ragged_pair()
+    for trial in range(20):
+        base = ragged_batch(draft, target, [2, 3, 1, 3], seed=100 + trial)
+        other = ragged_batch(draft, target, [2, 1, 3, 2], seed=900 + trial)
+        mixed = tuple(torch.cat([b[:1], o[1:]]) for b, o in zip(base, other))
+        a = specviz.verify(mode, *base, sampling=T1, generator=torch.Generator().manual_seed(trial),
+                           draft_lengths=[2, 3, 1, 3], **tile_kwargs(mode, 16))
+        b = specviz.verify(mode, *mixed, sampling=T1, generator=torch.Generator().manual_seed(trial),
+                           draft_lengths=[2, 1, 3, 2], **tile_kwargs(mode, 16))
+        assert int(a.n_accepted[0]) == int(b.n_accepted[0]) and int(a.next_token[0]) == int(b.next_token[0]), trial
+
+
+def test_draft_lengths_are_checked() -> None:
+    draft, target = ragged_pair()
+    tokens, d_logits, t_logits = ragged_batch(draft, target, [1, 3], seed=1)
+    for bad in ([0, 3], [1, 4], [1]):
+        with pytest.raises(ValueError, match="draft_lengths"):
+            specviz.verify("exact", tokens, d_logits, t_logits, sampling=T1, draft_lengths=bad)

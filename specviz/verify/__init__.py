@@ -7,6 +7,11 @@ logits; the sampling settings are applied here, identically to both models). Per
 many drafted tokens were accepted and which token comes next: the correction sampled from the residual
 on a rejection, the bonus token from the target's last position when all γ were accepted.
 
+Ragged batches: `draft_lengths` (γ_b per row, 1 ≤ γ_b ≤ γ) lets rows draft fewer tokens than γ (the
+draft-confidence stop ends rows at different points). Row b then uses draft positions [0, γ_b) and target
+positions [0, γ_b]; whatever lies beyond is padding that is never read into a decision, and the bonus of
+a row that kept all γ_b drafts comes from target position γ_b. Omitted, every row drafted γ.
+
 Random numbers are drawn from `generator` in a fixed order: one uniform per drafted position (a [B, γ]
 tensor), then the residual draw. `baseline` draws the residual with torch.multinomial, as transformers
 does, so that both make identical decisions from identically seeded generators.
@@ -14,7 +19,11 @@ does, so that both make identical decisions from identically seeded generators.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -23,7 +32,7 @@ from ..sampling import check_logits
 from .baseline import verify_baseline
 from .tiled import DEFAULT_TILE, verify_tiled
 
-__all__ = ["VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active"]
+__all__ = ["VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active", "project_kernels"]
 
 
 @dataclass
@@ -35,13 +44,14 @@ class VerifyResult:
     p_draft: torch.Tensor  # [B, γ]: target probability of each drafted token, as the mode computes it
     q_draft: torch.Tensor  # [B, γ]: draft probability of each drafted token, as the mode computes it
 
-    def emitted(self, draft_tokens: torch.Tensor, row: int = 0) -> list[int]:
+    def emitted(self, draft_tokens: torch.Tensor, row: int = 0) -> list[int]:  # draft_tokens [B, γ]
         """The tokens this verification appends to sequence `row`: kept drafts, then next_token."""
         n = int(self.n_accepted[row])
         return draft_tokens[row, :n].tolist() + [int(self.next_token[row])]
 
 
-def _check_shapes(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> None:
+def _check_shapes(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                  draft_lengths: list[int] | None) -> None:
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
         raise ValueError(f"draft_tokens must be a LongTensor [B, γ], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}")
     B, gamma = draft_tokens.shape
@@ -58,6 +68,17 @@ def _check_shapes(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target
     V = target_logits.shape[-1]
     if bool((draft_tokens < 0).any()) or bool((draft_tokens >= V).any()):
         raise ValueError(f"draft_tokens must lie in [0, {V})")
+    if draft_lengths is not None:
+        if len(draft_lengths) != B or any(not 1 <= int(n) <= gamma for n in draft_lengths):
+            raise ValueError(f"draft_lengths must hold B={B} counts in [1, γ={gamma}], got {list(draft_lengths)}")
+
+
+def _lengths(draft_lengths: list[int] | None, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """γ_b per row as LongTensor[B] on the tokens' device (γ everywhere when not given)."""
+    B, gamma = draft_tokens.shape
+    if draft_lengths is None:
+        return torch.full((B,), gamma, dtype=torch.long, device=draft_tokens.device)
+    return torch.tensor([int(n) for n in draft_lengths], dtype=torch.long, device=draft_tokens.device)
 
 
 def verify(
@@ -73,6 +94,7 @@ def verify(
     sigmoid_beta: float = 1e4,
     tile_size: int = DEFAULT_TILE,
     backend: str = "auto",
+    draft_lengths: list[int] | None = None,
 ) -> VerifyResult:
     """Decide which drafted tokens to keep and sample the next token; see the module docstring.
 
@@ -81,6 +103,8 @@ def verify(
     (Leviathan et al. A.5); 1 keeps the output distribution exact. backend: 'auto' runs `exact` and
     `sigmoid` on CUDA tensors with the CuPy kernels in kernels/ when they work (same random numbers, same
     decisions up to floating-point near-ties), 'torch' forces the torch path, 'cuda' requires the kernels.
+    draft_lengths: drafted tokens per row when rows drafted fewer than γ (see the module docstring); ragged
+    rows verify on the torch path, which the kernels do not yet take.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -88,17 +112,21 @@ def verify(
         raise ValueError(f"lenience must be in (0, 1], got {lenience}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown verification backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    _check_shapes(draft_tokens, draft_logits, target_logits)
-    if _use_kernels(mode, sampling, target_logits, backend):
+    _check_shapes(draft_tokens, draft_logits, target_logits, draft_lengths)
+    ragged = draft_lengths is not None and min(draft_lengths) < draft_tokens.shape[1]
+    if ragged and backend == "cuda":
+        raise ValueError("the CUDA kernels verify rows of equal length; ragged draft_lengths need backend 'auto' or 'torch'")
+    if _use_kernels(mode, sampling, target_logits, "torch" if ragged and backend == "auto" else backend):
         return VerifyResult(**_verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator,
                                               lenience, sigmoid_alpha, sigmoid_beta))
     check_logits(draft_logits, "draft")
     check_logits(target_logits, "target")
+    lengths = _lengths(draft_lengths, draft_tokens)
     if mode == "baseline":
-        fields = verify_baseline(draft_tokens, draft_logits, target_logits, sampling, generator, lenience)
+        fields = verify_baseline(draft_tokens, draft_logits, target_logits, lengths, sampling, generator, lenience)
     else:
         fields = verify_tiled(
-            draft_tokens, draft_logits, target_logits, sampling, generator,
+            draft_tokens, draft_logits, target_logits, lengths, sampling, generator,
             lenience=lenience, sigmoid=(sigmoid_alpha, sigmoid_beta) if mode == "sigmoid" else None,
             tile=tile_size,
         )
@@ -108,13 +136,29 @@ def verify(
 BACKENDS = ("auto", "torch", "cuda")
 
 
+_KERNELS_INIT = Path(__file__).resolve().parents[2] / "kernels" / "__init__.py"
+_KERNELS_MODULE = "specviz_kernels"
+
+
+def project_kernels() -> ModuleType:
+    """specviz's own top-level kernels/ package, loaded from its path under a private module name.
+
+    A PyPI package is also called `kernels`; a plain `import kernels` could pick that one up (or miss ours
+    when the working directory is elsewhere), so specviz never imports it by that name.
+    """
+    module = sys.modules.get(_KERNELS_MODULE)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(_KERNELS_MODULE, _KERNELS_INIT,
+                                                      submodule_search_locations=[str(_KERNELS_INIT.parent)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_KERNELS_MODULE] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def kernels_active() -> bool:
     """True when the CuPy verification kernels can run here (a CUDA device, CuPy, a working compiler)."""
-    try:
-        import kernels
-    except ImportError:
-        return False
-    return kernels.available()
+    return project_kernels().available()
 
 
 def _use_kernels(mode: str, sampling: SamplingConfig, target_logits: torch.Tensor, backend: str) -> bool:
@@ -124,17 +168,15 @@ def _use_kernels(mode: str, sampling: SamplingConfig, target_logits: torch.Tenso
         if not wanted:
             raise ValueError("the CUDA kernels verify exact/sigmoid on CUDA tensors with sampling (not greedy)")
         if not kernels_active():
-            import kernels
-
-            raise RuntimeError(f"the CUDA verification kernels cannot run: {kernels.unavailable_reason()}")
+            raise RuntimeError(f"the CUDA verification kernels cannot run: {project_kernels().unavailable_reason()}")
         return True
     return backend == "auto" and wanted and kernels_active()
 
 
 def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator, lenience, alpha, beta) -> dict:
-    import kernels
-
     from ..sampling import standardize
+
+    kernels = project_kernels()
 
     B, gamma = draft_tokens.shape
     # the same draws, in the same order, as the torch path: the decisions then agree

@@ -15,9 +15,10 @@ from ..sampling import standardize
 
 
 def verify_baseline(
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    lengths: torch.Tensor,  # LongTensor[B]: drafted tokens per row, 1..γ (positions beyond are padding)
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     lenience: float,
@@ -31,7 +32,8 @@ def verify_baseline(
     ratio = p_i / q_i if lenience == 1.0 else p_i / (lenience * q_i)
 
     r = torch.rand(ratio.shape, generator=generator, device=ratio.device, dtype=ratio.dtype)
-    accepted = r <= ratio
+    drafted = torch.arange(gamma, device=ratio.device) < lengths.unsqueeze(-1)
+    accepted = (r <= ratio) & drafted  # a padded position ends the accepted prefix like a rejection would
     n = ((~accepted).cumsum(dim=-1) < 1).sum(dim=-1)
 
     rows = torch.arange(B, device=p.device)
@@ -39,14 +41,14 @@ def verify_baseline(
     residual = torch.clamp(p_n - lenience * q[rows, n.clamp(max=gamma - 1)], min=0)
     mass = residual.sum(dim=-1, keepdim=True)
     # A rejection with zero residual mass can only come from rounding (p ≈ q); fall back to p there.
-    use_residual = (n < gamma).unsqueeze(-1) & (mass > 0)
+    use_residual = (n < lengths).unsqueeze(-1) & (mass > 0)
     dist = torch.where(use_residual, residual / mass, p_n)
     t = torch.multinomial(dist, num_samples=1, generator=generator).squeeze(-1)
 
     return dict(
         n_accepted=n,
         next_token=t,
-        accept_prob=ratio.nan_to_num(nan=0.0).clamp(max=1.0),
+        accept_prob=torch.where(drafted, ratio.nan_to_num(nan=0.0).clamp(max=1.0), 0.0),
         uniforms=r,
         p_draft=p_i,
         q_draft=q_i,

@@ -120,9 +120,10 @@ def _sample_residual(
 
 
 def verify_tiled(
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    lengths: torch.Tensor,  # LongTensor[B]: drafted tokens per row, 1..γ (positions beyond are padding)
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     *,
@@ -134,8 +135,9 @@ def verify_tiled(
         raise ValueError("tile size must be >= 1")
     tile = min(tile, target_logits.shape[-1])  # per-row scratch is [B, tile]: never wider than the vocabulary
     B, gamma = draft_tokens.shape
+    drafted = torch.arange(gamma, device=draft_tokens.device) < lengths.unsqueeze(-1)  # [B, γ]
     if sampling.greedy:
-        return _verify_greedy(draft_tokens, draft_logits, target_logits, generator, lenience)
+        return _verify_greedy(draft_tokens, draft_logits, target_logits, drafted, lengths, generator, lenience)
     if sampling.temperature_only:
         scale = 1.0 / sampling.temperature
     else:
@@ -150,16 +152,16 @@ def verify_tiled(
     ratio = p_x / (lenience * q_x)
 
     u = torch.rand((B, gamma), generator=generator, device=ratio.device, dtype=ratio.dtype)
-    accepted = u <= ratio  # NaN (0/0) compares False: a token neither model can produce is rejected
+    accepted = (u <= ratio) & drafted  # NaN (0/0) compares False: a token neither model can produce is rejected
     n = accepted.long().cumprod(dim=-1).sum(dim=-1)
 
     u_res = torch.rand((B,), generator=generator, device=ratio.device, dtype=ratio.dtype)
-    q_weight = torch.where(n < gamma, lenience, 0.0)
+    q_weight = torch.where(n < lengths, lenience, 0.0)
     t = _sample_residual(target_logits, draft_logits, n, probs, p_stats, q_stats, q_weight, u_res, tile)
     return dict(
         n_accepted=n,
         next_token=t,
-        accept_prob=ratio.nan_to_num(nan=0.0).clamp(max=1.0),
+        accept_prob=torch.where(drafted, ratio.nan_to_num(nan=0.0).clamp(max=1.0), 0.0),
         uniforms=u,
         p_draft=p_x,
         q_draft=q_x,
@@ -167,9 +169,11 @@ def verify_tiled(
 
 
 def _verify_greedy(
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    drafted: torch.Tensor,  # BoolTensor[B, γ]: position < the row's draft length
+    lengths: torch.Tensor,  # LongTensor[B]
     generator: torch.Generator | None,
     lenience: float,
 ) -> dict[str, torch.Tensor]:
@@ -183,12 +187,12 @@ def _verify_greedy(
     # Draw the same random numbers as the sampled path so traces stay comparable across settings.
     u = torch.rand((B, gamma), generator=generator, device=ratio.device)
     torch.rand((B,), generator=generator, device=ratio.device)
-    n = (u <= ratio).long().cumprod(dim=-1).sum(dim=-1)
-    t = p_arg.gather(-1, n.unsqueeze(-1)).squeeze(-1)
+    n = ((u <= ratio) & drafted).long().cumprod(dim=-1).sum(dim=-1)
+    t = p_arg.gather(-1, n.unsqueeze(-1)).squeeze(-1)  # n ≤ the row's length: the bonus sits right after its drafts
     return dict(
         n_accepted=n,
         next_token=t,
-        accept_prob=ratio.nan_to_num(nan=0.0).clamp(max=1.0),
+        accept_prob=torch.where(drafted, ratio.nan_to_num(nan=0.0).clamp(max=1.0), 0.0),
         uniforms=u,
         p_draft=p_x,
         q_draft=q_x,

@@ -1,0 +1,88 @@
+"""What the engine yields while it decodes: immutable records, one kind per event.
+
+The driver produces them, consumers (the CLI's progress bar, the page's thread, a TraceBuilder) read them;
+nothing flows back. A record is never mutated after it is yielded, so handing one to another thread is safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Outcome of each drafted token, then of the token verification adds (TARGET: target-only decoding).
+ACCEPTED, REJECTED, DISCARDED = "accepted", "rejected", "discarded"  # discarded: drafted after a rejection
+RESAMPLED, BONUS, TARGET = "resampled", "bonus", "target"
+OUTCOMES = (ACCEPTED, REJECTED, DISCARDED)
+NEXT_KINDS = (RESAMPLED, BONUS, TARGET)
+FINISH_REASONS = ("eos", "length", "")  # "": still decoding when the trace was taken
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One sequence's part of one iteration: what it drafted and what verification did with it."""
+
+    step: int  # index of the iteration (StepRecord.index)
+    sequence: int  # index of the sequence in the run
+    gamma: int  # tokens this sequence drafted (its draft may stop before the batch's γ)
+    draft_ids: list[int]
+    draft_text: list[str]
+    q: list[float]  # draft probability of each drafted token
+    p: list[float]  # target probability of each drafted token
+    accept_prob: list[float]  # min(1, p / (l·q))
+    uniform: list[float]  # the uniform each drafted token was compared with
+    outcome: list[str]  # ACCEPTED / REJECTED / DISCARDED per drafted token
+    n_accepted: int
+    next_id: int
+    next_text: str
+    next_kind: str  # RESAMPLED, BONUS, or TARGET
+    emitted: int  # tokens appended to the output (fewer than n_accepted + 1 at EOS or the token limit)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens this iteration appended to the sequence's output."""
+        return (self.draft_ids[: self.n_accepted] + [self.next_id])[: self.emitted]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Batch-level facts of one iteration: one target forward for every sequence still decoding."""
+
+    index: int
+    gamma: int  # the γ policy's value for this iteration (0 for target-only steps)
+    sequences: list[int]  # the sequences in the batch, in row order
+    draft_s: float
+    target_s: float
+    verify_s: float
+    end_s: float  # seconds from the start of the run to the end of this iteration
+    real_tokens: int  # tokens fed to draft and target for real this iteration
+    pad_tokens: int  # padding fed beside them because rows fed different counts (compute spent on nothing)
+    cache_slots: int  # KV-cache entries per layer held by draft and target after the iteration (rows × length)
+    cache_holes: int  # of which masked: padding, rejected drafts, and left padding of shorter prompts
+
+
+@dataclass(frozen=True)
+class Iteration:
+    step: StepRecord
+    decisions: list[Decision]  # one per sequence in step.sequences, same order
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A group of sequences entered the batch; their prompts were fed (and the audio encoded)."""
+
+    sequences: list[int]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    sequence: int
+    reason: str  # "eos" or "length"
+    at_s: float  # seconds from the start of the run
+
+
+@dataclass(frozen=True)
+class Completed:
+    total_s: float  # wall time of the whole run, prefill included
+
+
+Event = Prefilled | Iteration | Finished | Completed

@@ -1,0 +1,89 @@
+"""Text on the shared driver: a causal-LM decoder over a slotted KV cache, and articles as sequences."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .config import SpecConfig
+from .engine import SequenceSpec, SlottedDecoder, Vocabulary
+from .machine import device_name
+from .models import ModelPair
+from .prompts import InputError, max_prompt_tokens, summarization_prompt
+
+
+class CausalLMDecoder(SlottedDecoder):
+    """A decoder-only transformers model (Qwen2, Llama, ...) on a DynamicCache."""
+
+    def __init__(self, model, vocab: int, batch: int):
+        self.model, self.vocab = model, vocab
+        super().__init__(batch, model.device)
+
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache()
+
+    def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[:, -keep:, : self.vocab]
+
+
+def text_vocabulary(pair: ModelPair) -> Vocabulary:
+    ids = set()
+    eos = pair.target.generation_config.eos_token_id if pair.target.generation_config else None
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if pair.tokenizer.eos_token_id is not None:
+        ids.add(pair.tokenizer.eos_token_id)
+    return Vocabulary(lambda t: pair.tokenizer.decode(t), frozenset(ids))
+
+
+class TextSource:
+    """Prompts for a causal-LM pair: each one decoded num_sequences times (BASS: several samples per prompt)."""
+
+    def __init__(self, pair: ModelPair, sequences: list[SequenceSpec]):
+        self.pair, self.sequences = pair, sequences
+        self.vocab = text_vocabulary(pair)
+        self.device = pair.device
+
+    def decoders(self, rows: list[int], with_draft: bool) -> tuple[CausalLMDecoder | None, CausalLMDecoder]:
+        draft = CausalLMDecoder(self.pair.draft, self.pair.vocab_size, len(rows)) if with_draft else None
+        return draft, CausalLMDecoder(self.pair.target, self.pair.vocab_size, len(rows))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.pair.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def meta(self) -> dict:
+        pair = self.pair
+        return {"task": "summarize", "draft": pair.draft_name, "target": pair.target_name,
+                "device": device_name(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
+                "vocab_size": pair.vocab_size}
+
+
+def prompt_sequences(prompts: list[tuple[str, list[int]]], num_sequences: int, cfg: SpecConfig) -> list[SequenceSpec]:
+    """(label, prompt ids) per input -> num_sequences sequences each. Greedy decoding gives the same output
+    every time, so asking it for several samples of one input is refused."""
+    if num_sequences < 1:
+        raise InputError(f"the number of sequences per input must be >= 1, got {num_sequences}")
+    if num_sequences > 1 and cfg.sampling.greedy:
+        raise InputError(f"{num_sequences} sequences per input with greedy decoding would be {num_sequences} copies "
+                         "of one output; set a temperature above 0 to draw different samples")
+    out = []
+    for i, (label, ids) in enumerate(prompts):
+        for k in range(num_sequences):
+            name = label if num_sequences == 1 else f"{label} · sample {k + 1}"
+            out.append(SequenceSpec(list(ids), name, name, {"input": i, "sample": k}))
+    return out
+
+
+def article_source(pair: ModelPair, articles: list[tuple[str, str]], cfg: SpecConfig,
+                   num_sequences: int = 1) -> TextSource:
+    """A source that summarizes each (label, article), num_sequences samples each."""
+    context = getattr(pair.target.config, "max_position_embeddings", 32768)
+    limit = max_prompt_tokens(context, cfg.max_new_tokens)
+    prompts = []
+    for label, article in articles:
+        try:
+            prompts.append((label, summarization_prompt(pair.tokenizer, article, limit)))
+        except InputError as e:
+            raise InputError(f"{label}: {e}" if len(articles) > 1 else str(e)) from None
+    return TextSource(pair, prompt_sequences(prompts, num_sequences, cfg))

@@ -13,6 +13,7 @@ import pandas as pd
 
 from specviz import page
 from specviz.config import GAMMA_POLICIES, MODES
+from specviz.models import cache_dir
 from specviz.prompts import ASSETS, sample_article
 from specviz.trace import Trace, TraceFormatError
 from specviz.viz import TOKEN_CSS
@@ -23,8 +24,11 @@ CSS = TOKEN_CSS + """
 #status { min-height: 2.2em; }
 #status .error { color: #cf222e; font-weight: 600; }
 """
-COMPARE_COLUMNS = ["name", "tokens_per_s", "speedup", "alpha", "tokens_per_iteration", "median_verify_ms",
-                   "equals_target_only", "output_text"]
+# Gradio refuses bigger uploads before specviz sees them: 30 minutes of CD-quality WAV (the audio loader's own
+# duration cap) is 318 MB; traces are capped at 64 MB by their loader.
+MAX_UPLOAD = "512mb"
+COMPARE_COLUMNS = ["name", "tokens_per_s", "tokens_per_s_per_sequence", "speedup", "alpha", "tokens_per_iteration",
+                   "median_verify_ms", "equals_target_only", "output_text"]
 
 
 def _progress_adapter(progress: gr.Progress):
@@ -136,6 +140,8 @@ def build(models: page.ModelCache) -> gr.Blocks:
             try:
                 settings = settings_from(values)
                 loader = _progress_adapter(progress)
+                yield [_stamp("Loading models and reading the input…"), gr.skip(), gr.DownloadButton(interactive=False),
+                       *[gr.skip()] * len(view_outputs)]
                 if task == page.TEXT:
                     stream = page.stream_summary(models, article_text, settings, loader)
                 else:
@@ -150,7 +156,9 @@ def build(models: page.ModelCache) -> gr.Blocks:
             except Exception as e:  # any failure is shown in the page, which stays usable
                 yield [_error(e), gr.State(), gr.DownloadButton(), *[gr.skip()] * len(view_outputs)]
 
-        run_btn.click(on_run, [task_state, article, audio, reference_summary, reference_transcript, *settings_inputs],
+        # Not queued: says at once that the run waits for a worker (the queue may hold other sessions' runs).
+        queued = lambda: _stamp("Queued: waiting for a free worker…")  # noqa: E731
+        run_btn.click(queued, None, status, queue=False).then(on_run, [task_state, article, audio, reference_summary, reference_transcript, *settings_inputs],
                       [status, trace_state, export_btn, *view_outputs], concurrency_limit=1)
 
         def on_compare(task, article_text, audio_path, *values, progress=gr.Progress()):
@@ -169,7 +177,7 @@ def build(models: page.ModelCache) -> gr.Blocks:
             except Exception as e:
                 return [_error(e), gr.skip(), gr.skip(), gr.skip()]
 
-        compare_btn.click(on_compare, [task_state, article, audio, *settings_inputs],
+        compare_btn.click(queued, None, status, queue=False).then(on_compare, [task_state, article, audio, *settings_inputs],
                           [status, compare_table, compare_note, compare_plot], concurrency_limit=1)
 
         def on_upload(file):
@@ -194,14 +202,24 @@ def build(models: page.ModelCache) -> gr.Blocks:
     return demo
 
 
+def _model_access(host: str, dirs: list[str] | None) -> page.ModelAccess:
+    """Any local path when only this machine can reach the page; named directories otherwise."""
+    if host in ("127.0.0.1", "localhost", "::1") and not dirs:
+        return page.ModelAccess()
+    return page.ModelAccess(tuple(Path(d).expanduser().resolve() for d in (dirs or [str(cache_dir())])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Start the specviz page.")
     parser.add_argument("--host", default=os.environ.get("SPECVIZ_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("SPECVIZ_PORT", "7860")))
+    parser.add_argument("--models-dir", action="append", default=None, metavar="DIR",
+                        help="on a non-local address, local model paths are accepted only under these directories "
+                             "(repeatable; default: the specviz model cache)")
     args = parser.parse_args()
-    demo = build(page.ModelCache())
+    demo = build(page.ModelCache(access=_model_access(args.host, args.models_dir)))
     demo.queue(default_concurrency_limit=4).launch(server_name=args.host, server_port=args.port, css=CSS,
-                                                   show_error=True)
+                                                   show_error=True, max_file_size=MAX_UPLOAD)
 
 
 if __name__ == "__main__":

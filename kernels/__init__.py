@@ -1,8 +1,9 @@
 """CUDA verification kernels (verify.cu), compiled at run time with CuPy's NVRTC and launched on torch tensors.
 
-    from kernels import available, verify_cuda
-    if available():
-        fields = verify_cuda("exact", draft_tokens, draft_logits, target_logits, u, u_res,
+    from specviz.verify import project_kernels  # never `import kernels`: a PyPI package has that name
+    kernels = project_kernels()
+    if kernels.available():
+        fields = kernels.verify_cuda("exact", draft_tokens, draft_logits, target_logits, u, u_res,
                              scale=1 / temperature, lenience=1.0, sigmoid_alpha=-1e4, sigmoid_beta=1e4)
 
 `verify_cuda` decides exactly as `specviz.verify.tiled.verify_tiled` (same random numbers, same acceptance

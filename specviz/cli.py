@@ -15,7 +15,7 @@ from .compare import compare, hf_assisted_runs, source_runner
 from .config import GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range
 from .gamma import default_policy
 from .models import DEFAULT, ModelLoadError, ModelPair, load_pair
-from .prompts import InputError, sample_article
+from .prompts import InputError, check_article_size, sample_article
 from .records import Finished, Iteration
 from .runs import DEFAULT_BATCH, run
 from .sampling import InvalidLogitsError
@@ -138,6 +138,7 @@ def _articles(args: argparse.Namespace) -> list[tuple[str, str]]:
         label = "stdin" if arg == "-" else Path(arg).name
         if not text.strip():
             raise InputError(f"the article is empty ({label}): give a file with some text to summarize")
+        check_article_size(text)
         out.append((label, text))
     return out
 

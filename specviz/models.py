@@ -208,7 +208,13 @@ def load_model(
     try:
         if isinstance(source, str) and source in EMBEDDED:
             source = ensure_embedded(source, progress)
-        progress(f"loading {role} model {label}", None)
+            progress(f"loading {role} model {label}", None)
+        elif isinstance(source, str):  # a hub id: say where the wait comes from
+            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+            progress(f"loading {role} model {label} from the local hub cache" if offline else
+                     f"fetching {role} model {label} from the model hub (or its local cache)", None)
+        else:
+            progress(f"loading {role} model {label}", None)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
         tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": extra["gguf_file"]} if extra else {}))
     except ModelLoadError:

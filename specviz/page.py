@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import os
 import queue
+import re
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -24,8 +27,8 @@ from .compare import compare, source_runner
 from .config import SamplingConfig, SpecConfig, default_sigmoid_range
 from .engine import Source
 from .gamma import default_policy
-from .models import DEFAULT, ModelPair, Progress, load_pair
-from .prompts import InputError
+from .models import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
+from .prompts import InputError, check_article_size
 from .records import Iteration
 from .runs import builder_for, records
 from .text import article_source
@@ -71,25 +74,63 @@ class Settings:
         )
 
 
-class ModelCache:
-    """Loaded pairs by name, shared by all sessions; a lock keeps two sessions from loading one twice."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
-    def __init__(self, loader: Callable[..., Any] = load_pair, speech_loader: Callable[..., Any] | None = None):
-        self._text_loader, self._speech_loader = loader, speech_loader
+
+@dataclass(frozen=True)
+class ModelAccess:
+    """Which model names the page takes from its visitors.
+
+    On localhost the visitor is the operator: any hub id or local path. On a public address local paths are
+    accepted only under directories the operator named (--models-dir), and the refusal reads the same
+    whether or not the path exists, so the page cannot be used to probe the server's disk.
+    """
+
+    allowed_dirs: tuple[Path, ...] | None = None  # None: any local path
+
+    def check(self, name: str, role: str) -> None:
+        if name == DEFAULT or (role == "draft" and name.startswith("layers:")) or self.allowed_dirs is None:
+            return
+        if _HUB_ID.match(name) and ".." not in name and not Path(name).expanduser().exists():
+            return  # a hub id, which transformers resolves from its own cache or the hub
+        real = Path(name).expanduser().resolve()
+        if not any(real == d or d in real.parents for d in self.allowed_dirs):
+            raise ModelLoadError(f"the {role} model {name!r} is not accepted here: this server takes the default "
+                                 "models, hub ids, and local models under the directories it was started with "
+                                 "(--models-dir)")
+
+
+class ModelCache:
+    """Loaded pairs by name, shared read-only by all sessions.
+
+    One lock per pair keeps two sessions from loading the same pair twice without making a session that
+    wants another pair wait for a slow load; the short dictionary lock only guards the lock table.
+    """
+
+    def __init__(self, loader: Callable[..., Any] = load_pair, speech_loader: Callable[..., Any] | None = None,
+                 access: ModelAccess = ModelAccess()):
+        self._text_loader, self._speech_loader, self.access = loader, speech_loader, access
         self._pairs: dict[tuple, Any] = {}
-        self._lock = threading.Lock()
+        self._key_locks: dict[tuple, threading.Lock] = {}
+        self._table_lock = threading.Lock()
 
     def text(self, draft: str, target: str, progress: Progress) -> ModelPair:
+        self.access.check(draft, "draft")
+        self.access.check(target, "target")
         return self._get((TEXT, draft, target), lambda: self._text_loader(draft, target, progress=progress))
 
     def speech(self, draft: str, target: str, progress: Progress):
         from .asr import load_speech_pair
 
+        self.access.check(draft, "draft")
+        self.access.check(target, "target")
         loader = self._speech_loader or load_speech_pair
         return self._get((SPEECH, draft, target), lambda: loader(target, draft, dtype="fp32", progress=progress))
 
     def _get(self, key: tuple, load: Callable[[], Any]):
-        with self._lock:
+        with self._table_lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
             if key not in self._pairs:
                 self._pairs[key] = load()
             return self._pairs[key]
@@ -139,6 +180,7 @@ def _article_source(models: ModelCache, article: str, settings: Settings, cfg: S
                     progress: Progress) -> Source:
     if not article or not article.strip():
         raise InputError("the article is empty: paste some text or load the sample")
+    check_article_size(article)  # before minutes go into loading models
     if not 1 <= settings.sequences <= 8:
         raise InputError(f"the page decodes 1 to 8 sequences at once, not {settings.sequences}")
     pair = models.text(settings.draft, settings.target, progress)
@@ -228,7 +270,7 @@ def summary_markdown(trace: Trace) -> str:
     if (rouge := _number(trace.meta, "rouge1")) is not None:
         lines.append(f"ROUGE-1 F against the reference: {rouge:.3f}")
     names = {k: html.escape(str(trace.meta.get(k)))[:200] for k in ("draft", "target", "device", "dtype")}
-    lines.append(f"draft `{names['draft']}` → target `{names['target']}` on {names['device']}, {names['dtype']}")
+    lines.append(f"draft {names['draft']} → target {names['target']} on {names['device']}, {names['dtype']}")
     return "  \n".join(lines)
 
 
@@ -251,9 +293,29 @@ def figures(trace: Trace) -> dict[str, Any]:
     }
 
 
+EXPORT_DIR = Path(tempfile.gettempdir()) / "specviz-exports"
+EXPORTS_KEPT = 64  # the newest exports stay downloadable; older ones are deleted so the disk does not fill
+
+
 def export(trace: Trace) -> str:
-    """Write the trace to a fresh temporary JSON file and return its path (for a download)."""
-    handle = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="specviz-trace-", delete=False, encoding="utf-8")
-    with handle:
-        json.dump(trace.to_dict(), handle, ensure_ascii=False, allow_nan=False)
-    return handle.name
+    """Write the trace as indented JSON for a download, named after its mode and time; returns the path.
+
+    Written to a temporary name and renamed when complete, so a failed export leaves no partial file.
+    """
+    EXPORT_DIR.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    mode = "".join(c for c in str(trace.meta.get("mode", "run")) if c.isalnum() or c == "-")[:20] or "run"
+    handle = tempfile.NamedTemporaryFile("w", suffix=".part", prefix=f"specviz-{mode}-{stamp}-", dir=EXPORT_DIR,
+                                         delete=False, encoding="utf-8")
+    try:
+        with handle:
+            json.dump(trace.to_dict(), handle, ensure_ascii=False, allow_nan=False, indent=1)
+        final = Path(handle.name).with_suffix(".json")
+        os.replace(handle.name, final)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+    old = sorted(EXPORT_DIR.glob("specviz-*.json"), key=lambda p: p.stat().st_mtime)[:-EXPORTS_KEPT]
+    for path in old:
+        path.unlink(missing_ok=True)
+    return str(final)

@@ -193,16 +193,26 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
+        path = Path(path)
+        size = path.stat().st_size
+        if size > MAX_TRACE_BYTES:
+            raise TraceFormatError(f"{path.name} is {size:,} bytes; traces over {MAX_TRACE_BYTES:,} bytes are refused")
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise TraceFormatError(f"{Path(path).name} is not a text file, so not a specviz trace") from e
+            raise TraceFormatError(f"{path.name} is not a text file, so not a specviz trace") from e
+        return cls.loads(text, path.name)
+
+    @classmethod
+    def loads(cls, text: str, name: str = "the trace") -> "Trace":
+        """Parse and check a trace's JSON text: refused with a TraceFormatError that names what is wrong."""
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_no_constant)
         except json.JSONDecodeError as e:
-            raise TraceFormatError(f"{Path(path).name} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
+            raise TraceFormatError(f"{name} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
         except RecursionError:
-            raise TraceFormatError(f"{Path(path).name} nests too deeply to be a specviz trace") from None
+            raise TraceFormatError(f"{name} nests too deeply to be a specviz trace") from None
+        _check_plain_json(data, "trace", 0)
         return cls.from_dict(data)
 
 
@@ -237,11 +247,46 @@ class TraceBuilder:
 
 # ---- reading ---------------------------------------------------------------------------------------
 
+MAX_TRACE_BYTES = 64 << 20  # a 256-token run of 8 sequences is about 1 MB
+MAX_DEPTH = 32  # the schema nests 5 deep; meta holds the run's settings
+MAX_INT = 1 << 53  # beyond this a JSON number is no longer an exact count or id
+
+
+MAX_FLOAT = 1e12  # seconds, probabilities and counts: anything larger is not a measurement (and sums overflow)
+
+
+def _bounded(value: float) -> bool:
+    return math.isfinite(value) and abs(value) <= MAX_FLOAT
+
+
+def _no_constant(name: str):
+    raise TraceFormatError(f"malformed trace: {name} is not a number a trace may hold")
+
+
+def _check_plain_json(value: Any, where: str, depth: int) -> None:
+    """Bounded nesting, integers, and strings that can be written back (no lone surrogates)."""
+    if depth > MAX_DEPTH:
+        raise TraceFormatError(f"malformed trace: {where} nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain_json(key, where, depth + 1)
+            _check_plain_json(item, f"{where}.{key[:40]}", depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_plain_json(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TraceFormatError(f"malformed trace: {where} holds a string that is not valid Unicode") from None
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise TraceFormatError(f"malformed trace: {where} holds an integer beyond ±2^53")
+
 _JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "list[int]": (list,), "list[str]": (list,),
                "list[float]": (list,), "dict[str, Any]": (dict,)}
 _ELEMENT_TYPES = {"list[int]": (int,), "list[str]": (str,), "list[float]": (int, float)}
-_TYPE_NAMES = {"int": "an integer", "float": "a finite number", "str": "a string", "list[int]": "a list of integers",
-               "list[str]": "a list of strings", "list[float]": "a list of finite numbers", "dict[str, Any]": "an object"}
+_TYPE_NAMES = {"int": "an integer", "float": "a finite number (|x| ≤ 1e12)", "str": "a string", "list[int]": "a list of integers",
+               "list[str]": "a list of strings", "list[float]": "a list of finite numbers (|x| ≤ 1e12)", "dict[str, Any]": "an object"}
 
 
 def _json_name(value: Any) -> str:
@@ -270,12 +315,12 @@ def _typed(d: Any, cls: type, where: str, skip: set[str] = frozenset(), optional
         ok = isinstance(value, _JSON_TYPES[kind]) and not isinstance(value, bool)
         if ok and kind in _ELEMENT_TYPES:
             bad = [v for v in value if not isinstance(v, _ELEMENT_TYPES[kind]) or isinstance(v, bool)
-                   or (kind == "list[float]" and not math.isfinite(v))]
+                   or (kind == "list[float]" and not _bounded(v))]
             if bad:
                 raise TraceFormatError(f"malformed trace: '{f.name}' in {where} should be {_TYPE_NAMES[kind]}, "
                                        f"but holds {_json_name(bad[0])}")
         if ok and kind == "float":
-            ok = math.isfinite(value)
+            ok = _bounded(value)
         if not ok:
             raise TraceFormatError(f"malformed trace: '{f.name}' in {where} should be {_TYPE_NAMES[kind]}, "
                                    f"got {_json_name(value)}")
@@ -360,8 +405,23 @@ def _from_v1(d: dict) -> Trace:
                  total_s=top["total_s"])
 
 
+# meta fields that the figures and the summary read, and the JSON types they must have when present
+_META_TYPES = {"mode": (str,), "task": (str,), "config": (dict,), "prompt_text": (str,), "wer": (int, float),
+               "rouge1": (int, float), "batch_size": (int,)}
+
+
 def _check_consistent(trace: Trace) -> None:
     """What types alone cannot say: list lengths, enumerations, ranges, and references between parts."""
+    for key, types in _META_TYPES.items():
+        value = trace.meta.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            raise TraceFormatError(f"malformed trace: meta.{key} should be {' or '.join(t.__name__ for t in types)}, "
+                                   f"got {_json_name(value)}")
+    policy = trace.meta.get("config", {}).get("gamma_policy")
+    if policy is not None and not isinstance(policy, str):
+        raise TraceFormatError(f"malformed trace: meta.config.gamma_policy should be a string, got {_json_name(policy)}")
+    if trace.prefill_s < 0 or trace.total_s < 0 or trace.prefill_passes < 0:
+        raise TraceFormatError("malformed trace: negative prefill_s, total_s or prefill_passes")
     n_steps = len(trace.steps)
     for k, step in enumerate(trace.steps):
         if step.index != k:
@@ -371,6 +431,8 @@ def _check_consistent(trace: Trace) -> None:
         if step.gamma < 0 or min(step.real_tokens, step.pad_tokens, step.cache_slots, step.cache_holes) < 0 \
                 or step.cache_holes > step.cache_slots:
             raise TraceFormatError(f"malformed trace: step {k} has a negative γ or count, or more holes than slots")
+        if min(step.draft_s, step.target_s, step.verify_s, step.end_s) < 0:
+            raise TraceFormatError(f"malformed trace: step {k} has a negative time")
     for i, seq in enumerate(trace.sequences):
         if seq.index != i:
             raise TraceFormatError(f"malformed trace: sequence {i} says it is sequence {seq.index}")
@@ -398,5 +460,9 @@ def _check_consistent(trace: Trace) -> None:
                                        f"{d.emitted} for γ = {d.gamma}")
             if (d.gamma == 0) != (d.next_kind == TARGET):
                 raise TraceFormatError(f"malformed trace: {where}: only target-only steps draft nothing")
-            if any(not 0 <= x <= 1 for x in d.accept_prob + d.uniform):
-                raise TraceFormatError(f"malformed trace: {where} has an acceptance probability or uniform outside [0, 1]")
+            if any(not 0 <= x <= 1 for x in d.accept_prob + d.uniform + d.p + d.q):
+                raise TraceFormatError(f"malformed trace: {where} has a probability or uniform outside [0, 1]")
+            if any(not 0 <= t < MAX_INT for t in d.draft_ids + [d.next_id]):
+                raise TraceFormatError(f"malformed trace: {where} has a negative token id")
+        if any(not 0 <= t < MAX_INT for t in seq.prompt_ids + seq.output_ids) or seq.finished_s < 0:
+            raise TraceFormatError(f"malformed trace: sequence {i} has a negative token id or finish time")

@@ -137,3 +137,24 @@ def test_verify_backend_choices():
     forced = verify("exact", *args, generator=torch.Generator().manual_seed(3), backend="torch")
     auto = verify("exact", *args, generator=torch.Generator().manual_seed(3))
     assert torch.equal(forced.n_accepted, auto.n_accepted) and torch.equal(forced.next_token, auto.next_token)
+
+
+def test_public_page_accepts_local_models_only_under_named_dirs(tmp_path):
+    """With --models-dir (a public address), paths elsewhere are refused with one message whether they
+    exist or not; hub ids, the default pair and layer drafts pass; paths inside the named dir pass."""
+    from specviz.models import ModelLoadError
+    from specviz.page import ModelAccess
+
+    allowed = tmp_path / "models"
+    (allowed / "mine").mkdir(parents=True)
+    access = ModelAccess((allowed.resolve(),))
+    for ok, role in (("default", "target"), ("layers:0,5", "draft"), ("Qwen/Qwen2.5-0.5B", "target"),
+                     (str(allowed / "mine"), "target"), (str(allowed / "not-yet"), "draft")):
+        access.check(ok, role)
+    messages = set()
+    for bad in ("/etc", "/no/such/dir", str(tmp_path), "~/.ssh", str(allowed / ".." / "x"), "../models"):
+        with pytest.raises(ModelLoadError) as e:
+            access.check(bad, "draft")
+        messages.add(str(e.value).replace(repr(bad), "NAME"))
+    assert len(messages) == 1 and "--models-dir" in messages.pop()
+    ModelAccess().check("/etc", "draft")  # localhost: the visitor is the operator

@@ -200,6 +200,45 @@ def test_three_sequences_show_three_lanes(page, tiny_dirs, shots):
     page.screenshot(path=str(shots / "summarize-three-lanes.png"), full_page=True)
 
 
+def _hostile_strings(node, payloads, keep=("outcome", "next_kind", "finish")):
+    """Every free-text string of a trace replaced by markup (enumerated fields keep their values)."""
+    if isinstance(node, dict):
+        return {k: v if k in keep else _hostile_strings(v, payloads, keep) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_hostile_strings(v, payloads, keep) for v in node]
+    if isinstance(node, str):
+        payloads.append(payloads.pop(0))
+        return payloads[-1]
+    return node
+
+
+def test_shared_trace_cannot_run_script(page, tiny_pair, batch_prompts, tmp_path):
+    """A trace whose every string is markup (an image with onerror, an attribute-closing handler, a script)
+    loads and draws in Chromium without running anything or injecting any element."""
+    from conftest import decode
+    from specviz.config import SamplingConfig, SpecConfig
+
+    trace = decode(tiny_pair, batch_prompts[:2], SpecConfig(sampling=SamplingConfig(temperature=1.0), max_new_tokens=6))
+    payloads = ['"><img src=x onerror="window.__pwned=1">', '" onmouseover="window.__pwned=2" x="',
+                "<script>window.__pwned=3</script>", "</span><img src=x onerror=window.__pwned=4>"]
+    data = _hostile_strings(trace.to_dict(), payloads)
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(data))
+    page.set_input_files("#trace-upload input[type=file]", str(path))
+    page.wait_for_function("() => /Loaded trace|⚠/.test(document.querySelector('#status .sv-status').innerText)",
+                           timeout=60_000)
+    assert "Loaded trace" in _status(page), _status(page)
+    tokens = page.locator("#token-view .sv-tok")
+    assert tokens.count() > 10
+    for i in range(min(tokens.count(), 40)):  # the pointer crosses every token, as a reader's would
+        tokens.nth(i).hover()
+    page.wait_for_timeout(500)
+    assert page.evaluate("() => window.__pwned === undefined")
+    for where in ("#token-view", "#run-summary", "#status", "#output-text"):
+        assert page.locator(f"{where} img, {where} script").count() == 0, where
+    assert "onerror" in page.inner_text("#token-view")  # shown as text, not run
+
+
 def test_corrupt_trace_shows_error(page, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema_version": 99}')

@@ -93,6 +93,7 @@ def _decision(d):
         (lambda d: d["sequences"][0].pop("output_ids"), "sequence 0 is missing 'output_ids'"),
         (lambda d: _decision(d).pop("uniform"), "decision 0 of sequence 0 is missing 'uniform'"),
         (lambda d: _decision(d).update(gamma="five"), "'gamma' in decision 0 of sequence 0 should be an integer, got a string"),
+        (lambda d: d.update(prefill_s=1e300), r"'prefill_s' in trace should be a finite number \(\|x\| ≤ 1e12\)"),
         (lambda d: _decision(d).update(q=[0.5] * 40), "γ ="),
         (lambda d: _decision(d).update(draft_ids=["a"] * len(_decision(d)["draft_ids"])), "'draft_ids'"),
         (lambda d: _decision(d).update(outcome=['" onmouseover="alert(1)'] * len(_decision(d)["outcome"])), "outcome"),
@@ -102,7 +103,7 @@ def _decision(d):
         (lambda d: d["steps"][0].update(sequences=[7]), "names a sequence"),
         (lambda d: d["steps"][0].update(cache_holes=10**9), "more holes than slots"),
         (lambda d: d.update(steps={}), "'steps' in trace must be a list"),
-        (lambda d: d.update(total_s=True), "'total_s' in trace should be a finite number, got a boolean"),
+        (lambda d: d.update(total_s=True), r"'total_s' in trace should be a finite number .* got a boolean"),
         (lambda d: d["sequences"][0].update(finish="<b>"), "finish"),
     ],
 )
@@ -144,3 +145,41 @@ def test_binary_file_is_refused(tmp_path):
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(TraceFormatError, match="not a text file"):
         Trace.load(path)
+
+
+def test_export_is_complete_or_absent(trace, monkeypatch, tmp_path):
+    """Exports land whole under a readable name; a failing export leaves no partial file; old ones are pruned."""
+    from specviz import page
+
+    monkeypatch.setattr(page, "EXPORT_DIR", tmp_path / "exports")
+    monkeypatch.setattr(page, "EXPORTS_KEPT", 3)
+    path = page.export(trace)
+    assert Trace.load(path) == trace and "specviz-exact-" in path and path.endswith(".json")
+    broken = Trace(meta={"mode": "exact", "bad": object()}, sequences=trace.sequences, steps=trace.steps)
+    with pytest.raises(TypeError):
+        page.export(broken)
+    for _ in range(5):
+        page.export(trace)
+    files = list((tmp_path / "exports").iterdir())
+    assert len(files) == 3 and all(f.suffix == ".json" for f in files)
+
+
+def test_loads_refuses_what_cannot_be_written_back(trace):
+    data = trace.to_dict()
+    text = json.dumps(data)
+    assert Trace.loads(text) == trace
+    with pytest.raises(TraceFormatError, match="not a number"):
+        Trace.loads(text.replace('"total_s": ', '"total_s": NaN, "x": ', 1))
+    data["meta"]["note"] = "\ud800"
+    with pytest.raises(TraceFormatError, match="not valid Unicode"):
+        Trace.loads(json.dumps(data))
+    deep: object = "deep"
+    for _ in range(40):
+        deep = [deep]
+    data["meta"]["note"] = deep
+    with pytest.raises(TraceFormatError, match="nests deeper"):
+        Trace.loads(json.dumps(data))
+    data["meta"]["note"] = "fine"
+    data["meta"]["wer"] = "0.1"
+    with pytest.raises(TraceFormatError, match="meta.wer"):
+        Trace.loads(json.dumps(data))

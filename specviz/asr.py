@@ -16,7 +16,7 @@ from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache, WhisperForConditionalGeneration, WhisperProcessor
 
 from .audio import SAMPLE_RATE, windows
-from .engine import SequenceSpec, SlottedDecoder, Vocabulary
+from .engine import SequenceSpec, SlottedDecoder, Vocabulary, unique_names
 from .machine import device_name
 from .models import DEFAULT, ModelLoadError, Progress, _silent
 from .whisper_ct2 import load_whisper
@@ -199,7 +199,8 @@ class SpeechSource:
         self.sequences: list[SequenceSpec] = []
         self.chunks: list[np.ndarray] = []
         self.clip_seconds = []
-        for c, (name, audio) in enumerate(clips):
+        names = unique_names([name for name, _ in clips])
+        for c, (name, (_, audio)) in enumerate(zip(names, clips)):
             parts = windows(audio)
             self.clip_seconds.append(len(audio) / SAMPLE_RATE)
             for w, (start, chunk) in enumerate(parts):

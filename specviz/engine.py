@@ -226,6 +226,16 @@ class SequenceSpec:
     info: dict
 
 
+def unique_names(names: list[str]) -> list[str]:
+    """Input names made distinct (two files of one name in a batch stay two outputs): 'a', 'a #2', ..."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
+    return out
+
+
 @dataclass(frozen=True)
 class Vocabulary:
     """What the loop needs to know about tokens: how to show them and which end the output."""

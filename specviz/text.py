@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from .config import SpecConfig
-from .engine import SequenceSpec, SlottedDecoder, Vocabulary
+from .engine import SequenceSpec, SlottedDecoder, Vocabulary, unique_names
 from .machine import device_name
 from .models import ModelPair
 from .prompts import InputError, max_prompt_tokens, summarization_prompt
@@ -68,7 +68,8 @@ def prompt_sequences(prompts: list[tuple[str, list[int]]], num_sequences: int, c
         raise InputError(f"{num_sequences} sequences per input with greedy decoding would be {num_sequences} copies "
                          "of one output; set a temperature above 0 to draw different samples")
     out = []
-    for i, (label, ids) in enumerate(prompts):
+    labels = unique_names([label for label, _ in prompts])
+    for i, (label, (_, ids)) in enumerate(zip(labels, prompts)):
         for k in range(num_sequences):
             name = label if num_sequences == 1 else f"{label} · sample {k + 1}"
             out.append(SequenceSpec(list(ids), name, name, {"input": i, "sample": k}))

@@ -243,6 +243,8 @@ def test_several_samples_need_sampling():
         prompt_sequences([("a", [1, 2])], 3, SpecConfig())
     specs = prompt_sequences([("a", [1, 2]), ("b", [3])], 2, SpecConfig(sampling=SamplingConfig(temperature=1.0)))
     assert [s.label for s in specs] == ["a · sample 1", "a · sample 2", "b · sample 1", "b · sample 2"]
+    twice = prompt_sequences([("a.txt", [1]), ("a.txt", [2])], 1, SpecConfig())  # one file given twice: two outputs
+    assert [s.group for s in twice] == ["a.txt", "a.txt #2"]
 
 
 def test_samples_of_one_prompt_differ_and_each_is_exact_in_distribution(tiny_pair, prompt_ids):

@@ -349,9 +349,10 @@ def _draft(rows: list[Row], draft: SlottedDecoder, caps: list[int], cfg: SpecCon
                 feeds[i] = [token]
         live = still
     stacked = torch.stack(logits, dim=1)  # [B, γmax, V]
-    lengths = torch.tensor([len(d) for d in drafts], device=stacked.device)
-    drafted = torch.arange(stacked.shape[1], device=stacked.device) < lengths[:, None]
-    return drafts, stacked * drafted[..., None]  # padding positions: finite zeros, never read into a decision
+    for i, d in enumerate(drafts):  # padding positions: finite zeros (suppressed -inf entries would fail the
+        if len(d) < stacked.shape[1]:  # logits check), never read into a decision; nothing to do when not ragged
+            stacked[i, len(d):] = 0.0
+    return drafts, stacked
 
 
 def _left_aligned(logits: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:

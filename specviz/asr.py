@@ -16,9 +16,11 @@ from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache, WhisperForConditionalGeneration, WhisperProcessor
 
 from .audio import SAMPLE_RATE, windows
+from .drafts import SubsetHead, draft_head_size, special_ids, subset_head
 from .engine import SequenceSpec, SlottedDecoder, Vocabulary, unique_names
 from .machine import device_name
 from .models import DEFAULT, ModelLoadError, Progress, _silent
+from .quant import quantize_draft_int8
 from .whisper_ct2 import load_whisper
 
 # Chosen by measurement on the sample clip (docs/benchmarks.md, "Speech"): base without its fourth decoder
@@ -77,6 +79,17 @@ def layer_draft(target: WhisperForConditionalGeneration, layers: tuple[int, ...]
     return draft
 
 
+def int8_layer_draft(target: WhisperForConditionalGeneration, layers: tuple[int, ...]) -> WhisperForConditionalGeneration:
+    """layer_draft with int8 copies of the kept decoder layers and of the output head; embeddings, norms and
+    the encoder stay shared with the (never quantized) target. Quantizing in place would reach the target's
+    own modules through the shared ones, so only private copies are quantized."""
+    draft = layer_draft(target, layers)
+    decoder = draft.model.decoder
+    decoder._modules["layers"] = quantize_draft_int8(copy.deepcopy(decoder.layers))
+    draft._modules["proj_out"] = quantize_draft_int8(nn.Sequential(copy.deepcopy(target.proj_out)))[0]
+    return draft
+
+
 def parse_layers(spec: str) -> tuple[int, ...]:
     """'layers:0,5' -> (0, 5)."""
     try:
@@ -110,22 +123,31 @@ def load_speech_pair(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    draft_int8: bool | None = None,
     progress: Progress = _silent,
 ) -> SpeechPair:
     """target: 'default' (embedded Whisper base), a hub id or a directory. draft: 'default' (the target's
-    layers DEFAULT_DRAFT_LAYERS), 'layers:i,j,...', or another Whisper (hub id or directory)."""
+    layers DEFAULT_DRAFT_LAYERS), 'layers:i,j,...', or another Whisper (hub id or directory). draft_int8:
+    int8 draft weights (None: exactly when the models run on the CPU; needs an fp32 target there)."""
     t_model, processor = load_whisper(target, device=device, dtype=dtype, progress=progress)
     t_name = "whisper-base" if target == DEFAULT else target
+    if draft_int8 is None:
+        draft_int8 = t_model.device.type == "cpu" and t_model.dtype == torch.float32
+    if draft_int8 and (t_model.device.type != "cpu" or t_model.dtype != torch.float32):
+        raise ModelLoadError("the int8 speech draft runs on the CPU beside an fp32 target only")
+    suffix = " (int8)" if draft_int8 else ""
     if draft == DEFAULT or draft.startswith("layers:"):
         layers = DEFAULT_DRAFT_LAYERS if draft == DEFAULT else parse_layers(draft)
         try:
-            d_model = layer_draft(t_model, layers)
+            d_model = (int8_layer_draft if draft_int8 else layer_draft)(t_model, layers)
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
-        return SpeechPair(t_model, d_model, processor, t_name, f"{t_name} decoder layers {list(layers)}")
+        return SpeechPair(t_model, d_model, processor, t_name, f"{t_name} decoder layers {list(layers)}{suffix}")
     d_model, d_proc = load_whisper(draft, device=t_model.device, dtype=t_model.dtype, progress=progress)
     check_speech_pair(d_model, d_proc, t_model, processor, draft, t_name)
-    return SpeechPair(t_model, d_model, processor, t_name, draft)
+    if draft_int8:
+        d_model = quantize_draft_int8(d_model)
+    return SpeechPair(t_model, d_model, processor, t_name, draft + suffix)
 
 
 class WhisperDecoder(SlottedDecoder):
@@ -138,8 +160,8 @@ class WhisperDecoder(SlottedDecoder):
     shares_identical_prompts = False  # every window's cross-attention cache is its own
 
     def __init__(self, model: WhisperForConditionalGeneration, encoder_out: torch.Tensor, prompt_len: int,
-                 suppress: list[int], begin_suppress: list[int]):
-        self.model, self.prompt_len = model, prompt_len
+                 suppress: list[int], begin_suppress: list[int], head: SubsetHead | None = None):
+        self.model, self.prompt_len, self.head = model, prompt_len, head
         self.encoder_out = encoder_out  # [B, frames, d_model]: shared with the other decoder, read-only
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=model.device)
         self.begin_suppress = torch.tensor(begin_suppress, dtype=torch.long, device=model.device)
@@ -150,10 +172,12 @@ class WhisperDecoder(SlottedDecoder):
 
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
         encoder_out = self.encoder_out if len(rows) == self.encoder_out.shape[0] else self.encoder_out[rows]
-        out = self.model(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,),
-                         decoder_attention_mask=attention_mask, decoder_position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -keep:].float()  # [b, keep, V]
+        inputs = dict(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,), decoder_attention_mask=attention_mask,
+                      decoder_position_ids=position_ids, past_key_values=cache, use_cache=True)
+        if self.head is None:
+            logits = self.model(**inputs).logits[:, -keep:].float()  # [b, keep, V]
+        else:  # the reduced draft head: only its rows of the output projection are computed
+            logits = self.head(self.model.model(**inputs).last_hidden_state[:, -keep:])
         if len(self.suppress):
             logits[..., self.suppress] = float("-inf")
         if len(self.begin_suppress):
@@ -188,12 +212,15 @@ class SpeechSource:
     (no text carried between windows), so the windows of one long clip batch as well as several clips do.
     The encoder runs once per window when its group enters the batch; draft and target both read it."""
 
-    def __init__(self, pair: SpeechPair, clips: list[tuple[str, np.ndarray]], language: str | None = "en"):
+    def __init__(self, pair: SpeechPair, clips: list[tuple[str, np.ndarray]], language: str | None = "en",
+                 draft_vocab: int = 0):
         self.pair, self.language = pair, language
         self.prompt = decoder_prompt(pair.processor, pair.target, language)
         tok = pair.processor.tokenizer
+        # timestamps and language tokens are specials: they stay in the draft's head whatever its size
+        self.draft_head = subset_head(pair.draft, pair.vocab_size, draft_vocab, special_ids(tok) | set(self.prompt))
         gc = pair.target.generation_config
-        self.vocab = Vocabulary(lambda t: tok.decode(t), frozenset({gc.eos_token_id}))
+        self.vocab = Vocabulary(lambda t: tok.decode(t), frozenset({gc.eos_token_id}), pair.vocab_size)
         self.suppress, self.begin = list(gc.suppress_tokens or []), list(gc.begin_suppress_tokens or [])
         self.device = pair.device
         self.sequences: list[SequenceSpec] = []
@@ -215,8 +242,9 @@ class SpeechSource:
         features = pair.processor.feature_extractor([self.chunks[r] for r in rows], sampling_rate=SAMPLE_RATE,
                                                     return_tensors="pt").input_features
         encoder_out = pair.target.model.encoder(features.to(pair.device, pair.dtype)).last_hidden_state
-        make = lambda model: WhisperDecoder(model, encoder_out, len(self.prompt), self.suppress, self.begin)  # noqa: E731
-        return (make(pair.draft) if with_draft else None), make(pair.target)
+        make = lambda model, head: WhisperDecoder(model, encoder_out, len(self.prompt), self.suppress,  # noqa: E731
+                                                  self.begin, head)
+        return (make(pair.draft, self.draft_head) if with_draft else None), make(pair.target, None)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.pair.processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -225,7 +253,8 @@ class SpeechSource:
         pair = self.pair
         return {"task": "transcribe", "draft": pair.draft_name, "target": pair.target_name,
                 "device": device_name(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
-                "vocab_size": pair.vocab_size, "audio_seconds": sum(self.clip_seconds), "language": self.language,
+                "vocab_size": pair.vocab_size, "draft_vocab_size": draft_head_size(self.draft_head, pair.vocab_size),
+                "audio_seconds": sum(self.clip_seconds), "language": self.language,
                 "prompt_text": pair.processor.tokenizer.decode(self.prompt)}
 
 

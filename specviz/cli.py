@@ -10,9 +10,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import machine
-from .audio import AudioError, load_audio
+from .audio import AudioError, load_audio, windows
 from .compare import compare, hf_assisted_runs, source_runner
-from .config import GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range
+from .config import (DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range,
+                     draft_defaults)
 from .gamma import default_policy
 from .models import DEFAULT, ModelLoadError, ModelPair, load_pair
 from .prompts import InputError, check_article_size, sample_article
@@ -72,7 +73,15 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
                    help="default: bf16 for the text pair, fp32 for Whisper")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     m.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
-                   help="int8 draft weights (text pair; default: on for the CPU)")
+                   help="int8 draft weights (default: on for the CPU; the target is never quantized)")
+    m.add_argument("--draft-kind", default=None, choices=DRAFT_KINDS,
+                   help="who drafts: the draft model, prompt lookup (n-gram match on prompt and output, no draft "
+                   "model), or lookup where an n-gram matches and the model elsewhere (default: measured per task)")
+    m.add_argument("--lookup-ngram", type=int, default=None,
+                   help="with lookup+model: the shortest suffix match that replaces the model's draft")
+    m.add_argument("--draft-vocab", type=int, default=None,
+                   help="tokens the draft model's head scores (the first K ids, specials and the prompt's tokens; "
+                   "0 = all); the target keeps its full head, so output stays exact (default: measured per task)")
     s = p.add_argument_group("sampling (applied identically to draft and target)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0)
@@ -97,6 +106,7 @@ def _config(args: argparse.Namespace, mode: str, batch: int, speech: bool = Fals
     """Settings from the command line; sigmoid α/β default to Wagner et al.'s value for the task, the γ policy
     to BASS for a batch."""
     scale = default_sigmoid_range(speech)
+    drafts = draft_defaults(speech)
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     return SpecConfig(
@@ -109,6 +119,9 @@ def _config(args: argparse.Namespace, mode: str, batch: int, speech: bool = Fals
         lenience=args.lenience,
         draft_confidence=args.draft_confidence,
         verify_backend=args.verify_backend,
+        draft_kind=args.draft_kind or drafts.draft_kind,
+        lookup_ngram=args.lookup_ngram or drafts.lookup_ngram,
+        draft_vocab=drafts.draft_vocab if args.draft_vocab is None else args.draft_vocab,
         sigmoid_alpha=-scale if args.sigmoid_alpha is None else args.sigmoid_alpha,
         sigmoid_beta=scale if args.sigmoid_beta is None else args.sigmoid_beta,
     )
@@ -217,8 +230,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise InputError("--hf-assisted compares text generation only")
         clips = _clips(args.inputs)
         pair = _load_speech(args)
-        source = SpeechSource(pair, clips, args.language)
-        cfg = _config(args, "exact", len(source.sequences), speech=True)
+        cfg = _config(args, "exact", _window_count(clips), speech=True)
+        source = SpeechSource(pair, clips, args.language, cfg.draft_vocab)
         extra = {}
     else:
         articles = _articles(args)
@@ -270,12 +283,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _window_count(clips: list) -> int:
+    """Sequences a speech batch will have: one per 30 s window of every clip."""
+    return sum(len(windows(audio)) for _, audio in clips)
+
+
 def _load_speech(args: argparse.Namespace):
     from .asr import load_speech_pair
 
     progress = _LoadProgress()
     try:
-        return load_speech_pair(args.target, args.draft, device=args.device, dtype=args.dtype or "fp32", progress=progress)
+        return load_speech_pair(args.target, args.draft, device=args.device, dtype=args.dtype or "fp32",
+                                draft_int8=args.draft_int8, progress=progress)
     finally:
         progress.close()
 
@@ -290,8 +309,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         raise InputError("a reference transcript needs exactly one audio file")
     clips = _clips(args.inputs)
     pair = _load_speech(args)
-    source = SpeechSource(pair, clips, args.language)
-    cfg = _config(args, args.mode, len(source.sequences), speech=True)
+    cfg = _config(args, args.mode, _window_count(clips), speech=True)
+    source = SpeechSource(pair, clips, args.language, cfg.draft_vocab)
     meta = {"input": [name for name, _ in clips]}
     if reference:
         meta["reference"] = reference

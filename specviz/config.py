@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 MODES = ("baseline", "exact", "sigmoid")
+DRAFT_KINDS = ("model", "lookup", "lookup+model")  # see specviz.drafts
 GAMMA_POLICIES = ("constant", "hf", "bass", "optimal")
 
 
@@ -43,6 +44,23 @@ def default_sigmoid_range(speech: bool) -> float:
 
 
 @dataclass(frozen=True)
+class DraftDefaults:
+    """The fastest exact draft configuration measured per task (docs/benchmarks.md, "Drafts that pay")."""
+
+    draft_kind: str
+    draft_vocab: int
+    lookup_ngram: int
+
+
+TEXT_DRAFT = DraftDefaults(draft_kind="model", draft_vocab=0, lookup_ngram=2)
+SPEECH_DRAFT = DraftDefaults(draft_kind="model", draft_vocab=0, lookup_ngram=2)
+
+
+def draft_defaults(speech: bool) -> DraftDefaults:
+    return SPEECH_DRAFT if speech else TEXT_DRAFT
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Everything that decides one speculative run besides the models and the input."""
 
@@ -59,12 +77,25 @@ class SpecConfig:
     # transformers' assistant_confidence_threshold does; γ is then the most the draft may propose.
     draft_confidence: float = 0.0
     verify_backend: str = "auto"  # "torch" forces the torch path where the CUDA kernels would run
+    # Who drafts: the draft model; prompt lookup alone (no draft model); or prompt lookup where the sequence's
+    # last `lookup_ngram` tokens recur earlier, the draft model elsewhere.
+    draft_kind: str = "model"
+    lookup_ngram: int = 2
+    # Tokens the draft model's head scores (the first ids in merge order, plus specials and the prompt's
+    # tokens); 0 = the whole vocabulary. q = 0 elsewhere; verification stays exact.
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.draft_confidence < 1:
             raise ValueError(f"draft confidence threshold must be in [0, 1), got {self.draft_confidence}")
         if self.mode not in MODES:
             raise ValueError(f"unknown verification mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.draft_kind not in DRAFT_KINDS:
+            raise ValueError(f"unknown draft kind {self.draft_kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
+        if not 1 <= self.lookup_ngram <= 8:
+            raise ValueError(f"the prompt-lookup n-gram must be between 1 and 8 tokens, got {self.lookup_ngram}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"the draft vocabulary size must be >= 0 (0: all tokens), got {self.draft_vocab}")
         if self.gamma_policy not in GAMMA_POLICIES:
             raise ValueError(
                 f"unknown γ policy {self.gamma_policy!r}; choose one of {', '.join(GAMMA_POLICIES)}"

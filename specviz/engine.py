@@ -26,8 +26,9 @@ import torch
 
 from .config import SpecConfig
 from .gamma import Feedback, make_policy
-from .records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, TARGET, Completed, Decision, Event,
-                      Finished, Iteration, Prefilled, StepRecord)
+from .drafts import lookup, one_hot_logits
+from .records import (ACCEPTED, BONUS, DISCARDED, LOOKUP, MODEL, REJECTED, RESAMPLED, TARGET, Completed, Decision,
+                      Event, Finished, Iteration, Prefilled, StepRecord)
 from .sampling import check_logits, draw
 from .verify import verify
 
@@ -242,6 +243,7 @@ class Vocabulary:
 
     decode: Callable[[list[int]], str]
     eos: frozenset[int]
+    size: int  # logit columns (V)
 
 
 class Source(Protocol):
@@ -294,7 +296,7 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
     steps = 0
     for group in _chunks(len(source.sequences), batch_size):
         t0 = clock.now()
-        draft, target = source.decoders(group, with_draft=not target_only)
+        draft, target = source.decoders(group, with_draft=not target_only and cfg.draft_kind != "lookup")
         rows = [Row(s, list(source.sequences[s].prompt_ids), cfg.max_new_tokens) for s in group]
         # each cache holds all prompt tokens but the last, which the first step feeds
         target.prefill([r.tokens[:-1] for r in rows])
@@ -320,14 +322,14 @@ def _limit(tokens: list[int], budget: int, eos: frozenset[int]) -> tuple[list[in
     return tokens[:budget], False
 
 
-def _draft(rows: list[Row], draft: SlottedDecoder, caps: list[int], cfg: SpecConfig,
-           generator: torch.Generator) -> tuple[list[list[int]], torch.Tensor]:
-    """Each row drafts up to caps[r] tokens, one batched draft forward per position; a row stops early when
-    the draft doubts its own token (cfg.draft_confidence). Returns the drafts and their logits
-    [B, γmax, V], zero beyond a row's own draft length."""
+def _draft(rows: list[Row], draft: SlottedDecoder, caps: list[int], cfg: SpecConfig, generator: torch.Generator,
+           live: list[int]) -> tuple[list[list[int]], torch.Tensor]:
+    """Rows `live` draft up to caps[r] tokens each with the draft model, one batched draft forward per
+    position; a row stops early when the draft doubts its own token (cfg.draft_confidence). Other rows draft
+    nothing and feed nothing (their cache catches up when they next draft). Returns the drafts and their
+    logits [B, γmax, V], zero beyond a row's own draft length."""
     drafts: list[list[int]] = [[] for _ in rows]
-    live = list(range(len(rows)))
-    feeds = [r.tokens[draft.fed(i):] for i, r in enumerate(rows)]
+    feeds = [r.tokens[draft.fed(i):] if i in live else [] for i, r in enumerate(rows)]
     logits = []
     while live:
         z = draft.forward(feeds, 1)[:, 0]  # [B, V]
@@ -355,6 +357,37 @@ def _draft(rows: list[Row], draft: SlottedDecoder, caps: list[int], cfg: SpecCon
     return drafts, stacked
 
 
+def _propose(rows: list[Row], draft: SlottedDecoder | None, caps: list[int], cfg: SpecConfig, vocab: Vocabulary,
+             device: torch.device, generator: torch.Generator) -> tuple[list[list[int]], torch.Tensor, list[str]]:
+    """Drafts per row, their logits [B, γmax, V] (zero beyond a row's draft) and who drafted each row.
+
+    Prompt lookup first where cfg.draft_kind allows it; the draft model for the rows it left without a
+    proposal. Lookup alone falls back to a 1-gram match, then to repeating the last token, so that every
+    row proposes something (any deterministic proposal keeps the output exact; a poor one costs one scored
+    token)."""
+    if cfg.draft_kind == "model":
+        drafts, logits = _draft(rows, draft, caps, cfg, generator, list(range(len(rows))))
+        return drafts, logits, [MODEL] * len(rows)
+    alone = cfg.draft_kind == "lookup"
+    drafts = [lookup(r.tokens, cap, vocab.eos, min_ngram=1 if alone else cfg.lookup_ngram)
+              for r, cap in zip(rows, caps)]
+    if alone:
+        drafts = [d or [r.tokens[-1]] for d, r in zip(drafts, rows)]
+    by = [LOOKUP if d else MODEL for d in drafts]
+    modelled = [i for i, d in enumerate(drafts) if not d]
+    if not modelled:
+        return drafts, one_hot_logits(drafts, max(map(len, drafts)), vocab.size, device), by
+    model_drafts, model_logits = _draft(rows, draft, caps, cfg, generator, modelled)
+    for i in modelled:
+        drafts[i] = model_drafts[i]
+    logits = one_hot_logits([[] if i in modelled else d for i, d in enumerate(drafts)],
+                            max(map(len, drafts)), vocab.size, device)
+    w = model_logits.shape[1]
+    index = torch.tensor(modelled, device=device)
+    logits[index, :w] = model_logits.index_select(0, index).to(logits.dtype)
+    return drafts, logits, by
+
+
 def _left_aligned(logits: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
     """logits [B, W, V] whose row r ends with its counts[r] relevant columns -> [B, width, V] starting with
     them (padding beyond repeats the row's last column)."""
@@ -363,14 +396,14 @@ def _left_aligned(logits: torch.Tensor, counts: list[int], width: int) -> torch.
     return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
 
 
-def _speculate(rows: list[Row], draft: SlottedDecoder, target: SlottedDecoder, cfg: SpecConfig, vocab: Vocabulary,
+def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDecoder, cfg: SpecConfig, vocab: Vocabulary,
                generator: torch.Generator, policy, clock: Stopwatch, start: float, first_index: int) -> Iterator[Event]:
     index = first_index
     while rows:
         gamma = max(1, policy.current())
         caps = [max(1, min(gamma, r.remaining)) for r in rows]
         t0 = clock.now()
-        drafts, draft_logits = _draft(rows, draft, caps, cfg, generator)
+        drafts, draft_logits, drafted_by = _propose(rows, draft, caps, cfg, vocab, target.device, generator)
         lengths = [len(d) for d in drafts]
         widest = max(lengths)
         t1 = clock.now()
@@ -393,7 +426,8 @@ def _speculate(rows: list[Row], draft: SlottedDecoder, target: SlottedDecoder, c
             n, next_id, g = counts[0][i], counts[1][i], len(d)
             kept = len(row.tokens) + n  # both caches may keep the context plus the accepted drafts
             target_keep.append(kept)
-            draft_keep.append(min(draft.fed(i), kept))
+            if draft is not None:
+                draft_keep.append(min(draft.fed(i), kept))
             emitted, hit_eos = _limit(d[:n] + [next_id], row.remaining, vocab.eos)
             row.tokens.extend(emitted)
             row.remaining -= len(emitted)
@@ -403,12 +437,13 @@ def _speculate(rows: list[Row], draft: SlottedDecoder, target: SlottedDecoder, c
                 q=q, p=p, accept_prob=accept_prob, uniform=uniform,
                 outcome=[ACCEPTED] * n + ([REJECTED] if n < g else []) + [DISCARDED] * max(0, g - n - 1),
                 n_accepted=n, next_id=next_id, next_text=vocab.decode([next_id]),
-                next_kind=BONUS if n == g else RESAMPLED, emitted=len(emitted),
+                next_kind=BONUS if n == g else RESAMPLED, emitted=len(emitted), drafter=drafted_by[i],
             ))
             if hit_eos or row.remaining == 0:
                 finished.append((row.sequence, "eos" if hit_eos else "length"))
         target.rollback(target_keep)
-        draft.rollback(draft_keep)
+        if draft is not None:
+            draft.rollback(draft_keep)
         policy.update(Feedback(
             gamma, lengths, counts[0],
             [a for dec in decisions for a, o in zip(dec.accept_prob, dec.outcome) if o != DISCARDED],

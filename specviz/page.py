@@ -194,7 +194,7 @@ def _speech_source(models: ModelCache, audio_path: str | None, settings: Setting
         raise InputError("no audio: upload or record a clip, or load the sample")
     audio = load_audio(audio_path)
     pair = models.speech(settings.draft, settings.target, progress)
-    return SpeechSource(pair, [(Path(audio_path).name, audio)])
+    return SpeechSource(pair, [(Path(audio_path).name, audio)], draft_vocab=cfg.draft_vocab)
 
 
 def stream_summary(models: ModelCache, article: str, settings: Settings, progress: Progress) -> Iterator[tuple[Trace, bool]]:

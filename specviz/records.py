@@ -14,6 +14,8 @@ RESAMPLED, BONUS, TARGET = "resampled", "bonus", "target"
 OUTCOMES = (ACCEPTED, REJECTED, DISCARDED)
 NEXT_KINDS = (RESAMPLED, BONUS, TARGET)
 FINISH_REASONS = ("eos", "length", "")  # "": still decoding when the trace was taken
+MODEL, LOOKUP = "model", "lookup"  # who drafted: the draft model, or prompt lookup (specviz.drafts)
+DRAFTERS = (MODEL, LOOKUP)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Decision:
     next_text: str
     next_kind: str  # RESAMPLED, BONUS, or TARGET
     emitted: int  # tokens appended to the output (fewer than n_accepted + 1 at EOS or the token limit)
+    drafter: str = MODEL  # MODEL or LOOKUP (target-only steps: MODEL, unused)
 
     @property
     def tokens(self) -> list[int]:

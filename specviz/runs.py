@@ -51,7 +51,7 @@ def transcribe(pair, clips: list[tuple[str, Any]], cfg: SpecConfig, *, language:
     """Speech: (name, 16 kHz mono samples) per clip; every 30 s window is one sequence of the batch."""
     from .asr import SpeechSource
 
-    return run(SpeechSource(pair, clips, language), cfg, target_only=target_only, batch_size=batch_size, meta=meta,
+    return run(SpeechSource(pair, clips, language, cfg.draft_vocab), cfg, target_only=target_only, batch_size=batch_size, meta=meta,
                on_event=on_event)
 
 

@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from .config import SpecConfig
+from .drafts import SubsetHead, draft_head_size, special_ids, subset_head
 from .engine import SequenceSpec, SlottedDecoder, Vocabulary, unique_names
 from .machine import device_name
 from .models import ModelPair
@@ -15,17 +16,20 @@ from .prompts import InputError, max_prompt_tokens, summarization_prompt
 class CausalLMDecoder(SlottedDecoder):
     """A decoder-only transformers model (Qwen2, Llama, ...) on a DynamicCache."""
 
-    def __init__(self, model, vocab: int, batch: int):
-        self.model, self.vocab = model, vocab
+    def __init__(self, model, vocab: int, batch: int, head: SubsetHead | None = None):
+        self.model, self.vocab, self.head = model, vocab, head
         super().__init__(batch, model.device)
 
     def _new_cache(self) -> DynamicCache:
         return DynamicCache()
 
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[:, -keep:, : self.vocab]
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=cache, use_cache=True)
+        if self.head is None:
+            return self.model(**inputs, logits_to_keep=keep).logits[:, -keep:, : self.vocab]
+        # the reduced draft head: the base model's hidden states, then only the head's rows
+        return self.head(self.model.base_model(**inputs).last_hidden_state[:, -keep:])
 
 
 def text_vocabulary(pair: ModelPair) -> Vocabulary:
@@ -34,19 +38,24 @@ def text_vocabulary(pair: ModelPair) -> Vocabulary:
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if pair.tokenizer.eos_token_id is not None:
         ids.add(pair.tokenizer.eos_token_id)
-    return Vocabulary(lambda t: pair.tokenizer.decode(t), frozenset(ids))
+    return Vocabulary(lambda t: pair.tokenizer.decode(t), frozenset(ids), pair.vocab_size)
 
 
 class TextSource:
     """Prompts for a causal-LM pair: each one decoded num_sequences times (BASS: several samples per prompt)."""
 
-    def __init__(self, pair: ModelPair, sequences: list[SequenceSpec]):
+    def __init__(self, pair: ModelPair, sequences: list[SequenceSpec], draft_vocab: int = 0):
         self.pair, self.sequences = pair, sequences
         self.vocab = text_vocabulary(pair)
         self.device = pair.device
+        # one reduced head for the run: the first draft_vocab ids, the specials, and every prompt's tokens
+        prompt_tokens = {t for s in sequences for t in s.prompt_ids}
+        self.draft_head = subset_head(pair.draft, pair.vocab_size, draft_vocab,
+                                      special_ids(pair.tokenizer) | self.vocab.eos | prompt_tokens)
 
     def decoders(self, rows: list[int], with_draft: bool) -> tuple[CausalLMDecoder | None, CausalLMDecoder]:
-        draft = CausalLMDecoder(self.pair.draft, self.pair.vocab_size, len(rows)) if with_draft else None
+        draft = (CausalLMDecoder(self.pair.draft, self.pair.vocab_size, len(rows), self.draft_head) if with_draft
+                 else None)
         return draft, CausalLMDecoder(self.pair.target, self.pair.vocab_size, len(rows))
 
     def detokenize(self, ids: list[int]) -> str:
@@ -56,7 +65,7 @@ class TextSource:
         pair = self.pair
         return {"task": "summarize", "draft": pair.draft_name, "target": pair.target_name,
                 "device": device_name(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
-                "vocab_size": pair.vocab_size}
+                "vocab_size": pair.vocab_size, "draft_vocab_size": draft_head_size(self.draft_head, pair.vocab_size)}
 
 
 def prompt_sequences(prompts: list[tuple[str, list[int]]], num_sequences: int, cfg: SpecConfig) -> list[SequenceSpec]:
@@ -87,4 +96,4 @@ def article_source(pair: ModelPair, articles: list[tuple[str, str]], cfg: SpecCo
             prompts.append((label, summarization_prompt(pair.tokenizer, article, limit)))
         except InputError as e:
             raise InputError(f"{label}: {e}" if len(articles) > 1 else str(e)) from None
-    return TextSource(pair, prompt_sequences(prompts, num_sequences, cfg))
+    return TextSource(pair, prompt_sequences(prompts, num_sequences, cfg), cfg.draft_vocab)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import theory
-from .records import (DISCARDED, FINISH_REASONS, NEXT_KINDS, OUTCOMES, TARGET, Completed, Decision, Event, Finished,
+from .records import (DISCARDED, DRAFTERS, FINISH_REASONS, NEXT_KINDS, OUTCOMES, TARGET, Completed, Decision, Event, Finished,
                       Iteration, Prefilled, StepRecord)
 
 SCHEMA_VERSION = 2
@@ -342,7 +342,7 @@ def _from_v2(d: dict) -> Trace:
     for i, s in enumerate(_list(d, "sequences", "trace")):
         where = f"sequence {i}"
         seq = SequenceTrace(**_typed(s, SequenceTrace, where, skip={"decisions"}))
-        seq.decisions = [Decision(**_typed(x, Decision, f"decision {k} of {where}"))
+        seq.decisions = [Decision(**_typed(x, Decision, f"decision {k} of {where}", optional={"drafter"}))
                          for k, x in enumerate(_list(s, "decisions", where))]
         sequences.append(seq)
     if not sequences:
@@ -455,6 +455,9 @@ def _check_consistent(trace: Trace) -> None:
             if d.next_kind not in NEXT_KINDS:
                 raise TraceFormatError(f"malformed trace: {where} has next_kind {d.next_kind[:40]!r}; expected one "
                                        f"of {', '.join(NEXT_KINDS)}")
+            if d.drafter not in DRAFTERS:
+                raise TraceFormatError(f"malformed trace: {where} has drafter {d.drafter[:40]!r}; expected one of "
+                                       f"{', '.join(DRAFTERS)}")
             if not 0 <= d.n_accepted <= d.gamma or not 0 <= d.emitted <= d.n_accepted + 1:
                 raise TraceFormatError(f"malformed trace: {where} has n_accepted {d.n_accepted} and emitted "
                                        f"{d.emitted} for γ = {d.gamma}")

@@ -102,19 +102,19 @@ def prompt_ids() -> list[int]:
     return torch.randint(0, VOCAB - 1, (12,), generator=g).tolist()
 
 
-def prompts_source(pair: ModelPair, prompts: list[list[int]]):
+def prompts_source(pair: ModelPair, prompts: list[list[int]], draft_vocab: int = 0):
     """A text source over raw prompt ids, one sequence each."""
     from specviz.engine import SequenceSpec
     from specviz.text import TextSource
 
-    return TextSource(pair, [SequenceSpec(list(p), f"p{i}", f"p{i}", {}) for i, p in enumerate(prompts)])
+    return TextSource(pair, [SequenceSpec(list(p), f"p{i}", f"p{i}", {}) for i, p in enumerate(prompts)], draft_vocab)
 
 
 def decode(pair: ModelPair, prompts: list[list[int]], cfg, **kwargs):
     """Decode raw prompts as one batch (or groups of batch_size) on the shared driver; returns the trace."""
     from specviz.runs import run
 
-    return run(prompts_source(pair, prompts), cfg, **kwargs)
+    return run(prompts_source(pair, prompts, cfg.draft_vocab), cfg, **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import soundfile as sf
 import torch
 from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-from specviz.asr import SpeechPair, layer_draft, load_speech_pair, word_error_rate
+from specviz.asr import SpeechPair, int8_layer_draft, layer_draft, load_speech_pair, word_error_rate
 from specviz.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
 from specviz.config import SpecConfig
 from specviz.models import ModelLoadError
@@ -177,6 +177,40 @@ def test_several_clips_decode_as_one_batch(tiny_speech_pair):
         assert batched.outputs[i] == transcribe_clips(tiny_speech_pair, [clip], cfg, target_only=True).outputs[0]
 
 
+def test_int8_layer_draft_leaves_the_target_unquantized():
+    target = tiny_whisper()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    draft = int8_layer_draft(target, (0, 1, 3))
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert isinstance(target.model.decoder.layers[0].fc1, torch.nn.Linear)
+    assert isinstance(target.model.decoder.layers[0].self_attn.q_proj, torch.nn.Linear)
+    assert isinstance(target.proj_out, torch.nn.Linear) and not isinstance(draft.proj_out, torch.nn.Linear)
+    assert not isinstance(draft.model.decoder.layers[2].fc1, torch.nn.Linear)  # the draft's copy is int8
+    assert draft.model.encoder is target.model.encoder
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+@pytest.mark.parametrize("confidence", [0.0, 0.5])
+def test_greedy_equality_with_the_int8_draft_and_a_reduced_head(draft_vocab, confidence):
+    """int8 copies of three of four layers, a head over 40 of 300 tokens (plus the specials), a draft-confidence
+    stop that ends rows at different points: three clips in one batch still give target-only's transcripts."""
+    target = tiny_whisper()
+    processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
+    pair = SpeechPair(target, int8_layer_draft(target, (0, 1, 3)), processor, "tiny", "tiny int8")
+    clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((2.0, 4.0, 3.0))]
+    cfg = SpecConfig(mode="exact", gamma_policy="bass", max_new_tokens=24, draft_vocab=draft_vocab,
+                     draft_confidence=confidence)
+    reference = transcribe_clips(pair, clips, cfg, target_only=True)
+    trace = transcribe_clips(pair, clips, cfg)
+    assert trace.outputs == reference.outputs
+    assert trace.meta["draft_vocab_size"] == (TINY_V if draft_vocab == 0 else 40 + 3)  # + start, no-timestamps, EOS
+    if confidence:
+        steps = {}
+        for d in trace.decisions():
+            steps.setdefault(d.step, set()).add(d.gamma)
+        assert any(len(g) > 1 for g in steps.values()), "no ragged iteration: the test would prove little"
+
+
 def test_word_error_rate_normalizes():
     assert word_error_rate("Hello, World!", "hello world") == 0.0
     assert word_error_rate("the cat sat down", "the cat down") == pytest.approx(0.25)
@@ -223,11 +257,13 @@ def test_sample_clip_wer(base_pair):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
-def test_sample_clip_speculative_equals_target_only(base_pair, mode):
+@pytest.mark.parametrize("mode, drafts", [("baseline", {}), ("exact", {}),
+                                          ("exact", {"draft_vocab": 4096, "draft_kind": "lookup+model"})])
+def test_sample_clip_speculative_equals_target_only(base_pair, mode, drafts):
+    """The default int8 draft (on this CPU), and a 4,096-token head with prompt lookup first."""
     audio = load_audio(SAMPLE)
     reference = transcribe(base_pair, audio, SpecConfig(max_new_tokens=200), target_only=True)
-    trace = transcribe(base_pair, audio, SpecConfig(mode=mode, max_new_tokens=200))
+    trace = transcribe(base_pair, audio, SpecConfig(mode=mode, max_new_tokens=200, **drafts))
     assert trace.outputs == reference.outputs
     assert trace.summary()["acceptance_rate"] > 0.4
 

@@ -115,7 +115,7 @@ def test_a_sequence_that_ends_early_leaves_the_batch(tiny_pair, batch_prompts, a
     expected = [out[: out.index(stop) + 1] if stop in out else out for out in alone]
     assert len(expected[1]) == 4 and any(len(e) > 4 for e in expected)
     source = prompts_source(tiny_pair, batch_prompts)
-    source.vocab = Vocabulary(source.vocab.decode, frozenset({stop}))
+    source.vocab = Vocabulary(source.vocab.decode, frozenset({stop}), source.vocab.size)
     events = []
     trace = run(source, SpecConfig(mode="exact", max_new_tokens=MAX_NEW), on_event=lambda e, t: events.append(e))
     assert trace.outputs == expected

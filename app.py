@@ -76,7 +76,7 @@ def build(models: page.ModelCache) -> gr.Blocks:
                                  value="auto", label="γ policy", elem_id="gamma-policy")
             gamma_init = gr.Number(0, precision=0, label="Initial γ (0 = policy default)", elem_id="gamma-init")
             max_new = gr.Slider(8, 256, value=96, step=8, label="Max new tokens", elem_id="max-new-tokens")
-        with gr.Accordion("Sampling, sigmoid, lenience, models", open=False):
+        with gr.Accordion("Sampling, sigmoid, lenience, drafts, models", open=False):
             with gr.Row():
                 temperature = gr.Slider(0.05, 2.0, value=1.0, label="Temperature", elem_id="temperature")
                 top_k = gr.Number(0, precision=0, label="Top-k (0 = off)", elem_id="top-k")
@@ -88,6 +88,17 @@ def build(models: page.ModelCache) -> gr.Blocks:
                 lenience = gr.Slider(0.05, 1.0, value=1.0, label="Lenience l (1 = exact)", elem_id="lenience")
                 confidence = gr.Slider(0.0, 0.95, value=0.0, step=0.05, elem_id="draft-confidence",
                                        label="Stop drafting below this draft probability (0 = off)")
+            with gr.Row():
+                draft_kind = gr.Dropdown(
+                    [("auto (the fastest measured for the task)", "auto"), ("draft model", "model"),
+                     ("prompt lookup (no draft model)", "lookup"), ("prompt lookup, else the draft model", "lookup+model")],
+                    value="auto", label="Who drafts", elem_id="draft-kind")
+                draft_vocab = gr.Dropdown(
+                    [("auto", "auto"), ("all tokens", "0"), *[(f"{k:,} + specials + prompt", str(k))
+                                                              for k in (4096, 8192, 16384, 32768, 65536)]],
+                    value="auto", label="Draft head vocabulary (q = 0 elsewhere; stays exact)", elem_id="draft-vocab")
+                lookup_ngram = gr.Slider(0, 5, value=0, step=1, elem_id="lookup-ngram",
+                                         label="Prompt lookup: shortest match before the model (0 = auto)")
             with gr.Row():
                 draft = gr.Textbox("default", label="Draft (default, hub id, local path; speech: layers:0,1,2,4,5)",
                                    elem_id="draft-model")
@@ -122,14 +133,15 @@ def build(models: page.ModelCache) -> gr.Blocks:
                                    elem_id="trace-upload")
 
         settings_inputs = [mode, decoding, temperature, top_k, top_p, policy, gamma_init, max_new, seed, alpha, beta,
-                           lenience, confidence, draft, target, sequences]
+                           lenience, confidence, draft, target, sequences, draft_kind, draft_vocab, lookup_ngram]
         view_outputs = [output, summary, token_view, gamma_plot, acceptance_plot, timing_plot, theory_plot, batch_plot]
 
         def settings_from(values) -> page.Settings:
-            (m, dec, temp, k, p, pol, g0, mx, sd, a, b, l, conf, d, t, n) = values
+            (m, dec, temp, k, p, pol, g0, mx, sd, a, b, l, conf, d, t, n, dk, dv, ng) = values
             return page.Settings(m, dec, temp, int(k or 0), p, pol, int(g0 or 0), int(mx), int(sd or 0),
                                  None if a in (None, "", 0) else float(a), None if b in (None, "", 0) else float(b), l,
-                                 float(conf or 0), d.strip() or "default", t.strip() or "default", int(n or 1))
+                                 float(conf or 0), d.strip() or "default", t.strip() or "default", int(n or 1),
+                                 dk or "auto", dv or "auto", int(ng or 0))
 
         def views(trace: Trace):
             f = page.figures(trace)

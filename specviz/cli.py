@@ -385,24 +385,80 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_drafts(args: argparse.Namespace) -> int:
+    from .bench_drafts import speech_draft_figures, text_draft_figures
+
+    if len(args.inputs) > 1:
+        raise InputError("bench-drafts measures one input")
+    audio = bool(args.inputs) and _is_audio(args.inputs[0])
+    cfg = _config(args, "exact", 1, speech=audio)
+    if audio:
+        from .asr import SpeechSource
+
+        pair = _load_speech(args)
+        source = SpeechSource(pair, _clips(args.inputs)[:1], args.language)
+        if len(source.sequences) > 1:
+            raise InputError("bench-drafts measures one 30 s window: give a clip of at most 30 s")
+        output = run(source, cfg, target_only=True).outputs[0]
+        figures = speech_draft_figures(source, output, args.ks, args.repeat)
+    else:
+        articles = _articles(args)
+        pair = _load(args)
+        source = article_source(pair, articles[:1], cfg)
+        output = run(source, cfg, target_only=True).outputs[0]
+        figures = text_draft_figures(pair, source.sequences[0].prompt_ids, output, args.ks, args.repeat)
+    print(f"{'K':>7s} {'+prompt':>7s} {'size':>7s} {'greedy agree':>12s} {'α (T=1)':>8s}")
+    for r in figures["vocab"]:
+        print(f"{r['k'] or 'all':>7} {str(r['prompt_tokens']):>7s} {r['size']:7d} {r['greedy_agreement']:12.3f} "
+              f"{r['alpha_t1']:8.3f}")
+    print(f"model draft: {figures['model_run_length']:.2f} tokens kept in a row per position (γ = 8, greedy)")
+    for r in figures["lookup"]:
+        print(f"lookup n ≥ {r['ngram']}: proposes at {r['hit_rate']:.1%} of positions, {r['kept_per_hit']:.2f} tokens "
+              "kept per proposal")
+    for r in figures["draft_steps"]:
+        print(f"draft step, head of {r['size']:,} tokens: {r['draft_step_ms']:.1f} ms")
+    if "target_step_ms" in figures:
+        print(f"target step: {figures['target_step_ms']:.1f} ms")
+    dtype = str(pair.dtype).removeprefix("torch.")
+    print(f"\n{pair.draft_name} → {pair.target_name}, {dtype}, {len(output)} output tokens, {machine.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": machine.describe(), "models": f"{pair.draft_name} → {pair.target_name}", "dtype": dtype,
+            "input": args.inputs or ["sample article"], "repeat": args.repeat, "config": cfg.to_dict(),
+            "statistic": "teacher-forced along the target-only greedy output; step times: median of `repeat`",
+            **figures}, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench_verify(args: argparse.Namespace) -> int:
     import torch
 
     from .bench import verify_microbench
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    print(f"{'V':>7s} {'B':>2s} {'γ':>3s} {'dtype':5s} {'mode':8s} {'path':6s} {'µs':>10s} {'floor MB':>9s} {'GB/s':>7s}")
+    print(f"{'V':>7s} {'B':>2s} {'γ':>3s} {'dtype':5s} {'mode':8s} {'path':6s} {'call µs':>9s} {'no-check':>9s} "
+          f"{'GPU µs':>8s} {'host µs':>8s} {'× base':>7s} {'floor MB':>9s} {'GB/s':>7s}")
+
+    def us(v: float | None, width: int) -> str:
+        return f"{v:{width}.1f}" if v is not None else f"{'-':>{width}s}"
 
     def show(r: dict) -> None:
+        speedup = f"{r['speedup']:7.2f}" if r["speedup"] is not None else f"{'-':>7s}"
         print(f"{r['V']:7d} {r['B']:2d} {r['gamma']:3d} {r['dtype']:5s} {r['mode']:8s} {r['path']:6s} "
-              f"{r['median_us']:10.1f} {r['floor_bytes'] / 1e6:9.2f} {r['achieved_GBps']:7.1f}", flush=True)
+              f"{us(r['call_us'], 9)} {us(r['nocheck_us'], 9)} {us(r['gpu_us'], 8)} {us(r['host_us'], 8)} {speedup} "
+              f"{r['floor_bytes'] / 1e6:9.2f} {r['achieved_GBps']:7.1f}", flush=True)
 
     rows = verify_microbench(device, vocabs=args.vocab, gammas=args.gamma, batches=args.batch, dtypes=args.dtype,
-                             warmup=args.warmup, iters=args.iters, on_case=show)
-    print(f"\n{machine.describe()}; median of {args.iters} calls after {args.warmup} warm-up calls")
+                             warmup=args.warmup, iters=args.iters, top_k=args.top_k, on_case=show)
+    print(f"\n{machine.describe()}; median of {args.iters} calls after {args.warmup} warm-up calls. call: wall time "
+          "until the results are on the host (kernel path: with its input checks, one readback); no-check: "
+          "the kernels with check=False until the stream is idle; GPU: CUDA events around the kernel launches; "
+          "host = call - GPU; × base: the baseline's call time over this row's")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine.describe(), "device": str(device),
-                                               "warmup": args.warmup, "iters": args.iters, "rows": rows}, indent=2))
+                                               "warmup": args.warmup, "iters": args.iters, "top_k": args.top_k,
+                                               "rows": rows}, indent=2))
     return 0
 
 
@@ -443,6 +499,14 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--repeat", type=int, default=3)
     bb.add_argument("--json", metavar="FILE")
     bb.set_defaults(func=cmd_bench_batch)
+    bd = sub.add_parser("bench-drafts", help="acceptance vs draft vocabulary size, prompt-lookup hit rate, draft step "
+                        "times, teacher-forced along the target's output (text or one audio window)")
+    _add_common(bd, "either")
+    bd.add_argument("--ks", type=int, nargs="+", default=[0, 1024, 4096, 8192, 16384, 32768],
+                    help="draft vocabulary sizes (0 = all)")
+    bd.add_argument("--repeat", type=int, default=9, help="timed draft steps per size")
+    bd.add_argument("--json", metavar="FILE")
+    bd.set_defaults(func=cmd_bench_drafts)
     bv = sub.add_parser("bench-verify", help="µs per verification call: modes × paths × V × γ × B × dtype")
     bv.add_argument("--device", default=None)
     bv.add_argument("--vocab", type=int, nargs="+", default=[51_865, 151_936, 256_000])
@@ -451,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--dtype", nargs="+", default=["fp16", "fp32"], choices=["fp16", "bf16", "fp32"])
     bv.add_argument("--warmup", type=int, default=10)
     bv.add_argument("--iters", type=int, default=50)
+    bv.add_argument("--top-k", type=int, default=0, help="add top-k to the sampling (in-kernel for exact)")
     bv.add_argument("--json", metavar="FILE")
     bv.set_defaults(func=cmd_bench_verify)
     return parser

@@ -24,7 +24,7 @@ import torch
 from . import viz
 from .audio import load_audio
 from .compare import compare, source_runner
-from .config import SamplingConfig, SpecConfig, default_sigmoid_range
+from .config import SamplingConfig, SpecConfig, default_sigmoid_range, draft_defaults
 from .engine import Source
 from .gamma import default_policy
 from .models import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
@@ -58,9 +58,13 @@ class Settings:
     draft: str = DEFAULT
     target: str = DEFAULT
     sequences: int = 1  # samples of the article decoded together (text only)
+    draft_kind: str = "auto"  # auto: the task's measured default (config.draft_defaults)
+    draft_vocab: str = "auto"  # "auto", or a token count ("0": the whole vocabulary)
+    lookup_ngram: int = 0  # 0: the task's default
 
     def spec(self, task: str) -> SpecConfig:
         scale = default_sigmoid_range(task == SPEECH)
+        drafts = draft_defaults(task == SPEECH)
         sampling = SamplingConfig() if self.decoding == "greedy" else SamplingConfig(
             self.temperature, int(self.top_k), self.top_p)
         batch = self.sequences if task == TEXT else 1
@@ -71,6 +75,9 @@ class Settings:
             lenience=self.lenience, draft_confidence=self.draft_confidence,
             sigmoid_alpha=-scale if self.sigmoid_alpha is None else self.sigmoid_alpha,
             sigmoid_beta=scale if self.sigmoid_beta is None else self.sigmoid_beta,
+            draft_kind=drafts.draft_kind if self.draft_kind == "auto" else self.draft_kind,
+            draft_vocab=drafts.draft_vocab if self.draft_vocab == "auto" else int(self.draft_vocab),
+            lookup_ngram=int(self.lookup_ngram) or drafts.lookup_ngram,
         )
 
 
@@ -271,7 +278,25 @@ def summary_markdown(trace: Trace) -> str:
         lines.append(f"ROUGE-1 F against the reference: {rouge:.3f}")
     names = {k: html.escape(str(trace.meta.get(k)))[:200] for k in ("draft", "target", "device", "dtype")}
     lines.append(f"draft {names['draft']} → target {names['target']} on {names['device']}, {names['dtype']}")
+    if "alpha" in s:
+        lines.append(draft_line(trace, s))
     return "  \n".join(lines)
+
+
+def draft_line(trace: Trace, s: dict[str, Any]) -> str:
+    """Which draft ran, the vocabulary its head scored, and what a draft step cost against a target call."""
+    config = trace.meta.get("config", {})
+    kind = str(config.get("draft_kind", "model"))
+    vocab, size = _number(trace.meta, "vocab_size"), _number(trace.meta, "draft_vocab_size")
+    parts = [f"drafted by {html.escape(kind)[:40]}"]
+    if s.get("lookup_share") and kind != "lookup":
+        parts.append(f"prompt lookup drafted {100 * s['lookup_share']:.0f}% of the proposals")
+    if kind != "lookup" and size is not None and vocab is not None:
+        parts.append(f"draft head over {int(size):,} of {int(vocab):,} tokens" if size < vocab
+                     else f"draft head over all {int(vocab):,} tokens")
+    if s.get("cost_ratio") is not None:
+        parts.append(f"measured c = {s['cost_ratio']:.2f} (seconds per draft step / per target call)")
+    return " · ".join(parts)
 
 
 def rouge1(reference: str, summary: str) -> float:

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import theory
-from .records import (DISCARDED, DRAFTERS, FINISH_REASONS, NEXT_KINDS, OUTCOMES, TARGET, Completed, Decision, Event, Finished,
-                      Iteration, Prefilled, StepRecord)
+from .records import (DISCARDED, DRAFTERS, FINISH_REASONS, LOOKUP, MODEL, NEXT_KINDS, OUTCOMES, TARGET, Completed,
+                      Decision, Event, Finished, Iteration, Prefilled, StepRecord)
 
 SCHEMA_VERSION = 2
 
@@ -161,9 +161,26 @@ class Trace:
                 verify_s=sum(s.verify_s for s in steps),
                 median_verify_ms=1e3 * statistics.median(s.verify_s for s in steps),
             )
+            out.update(lookup_share=sum(d.drafter == LOOKUP for d in drafted) / len(drafted),
+                       cost_ratio=self.cost_ratio())
         if len(self.sequences) > 1:
             out.update(padding_fraction=self.padding_fraction(), cache_hole_fraction=self.hole_fraction())
         return out
+
+    def cost_ratio(self) -> float | None:
+        """Measured c (Leviathan et al.): seconds per draft-model forward over the median seconds per target
+        call. A draft forward advances every drafting row by one token, so an iteration makes as many as its
+        longest model draft. None when the draft model never ran (prompt lookup drafted everything)."""
+        by_step: dict[int, int] = {}
+        for d in self.drafted():
+            if d.drafter == MODEL:
+                by_step[d.step] = max(by_step.get(d.step, 0), d.gamma)
+        forwards = sum(by_step.values())
+        steps = [s for s in self.steps if s.index in by_step]
+        if not forwards or not steps:
+            return None
+        target = statistics.median(s.target_s for s in self.steps if s.gamma > 0)
+        return (sum(s.draft_s for s in steps) / forwards) / target if target > 0 else None
 
     # ---- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

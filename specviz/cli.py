@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -241,8 +242,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if args.hf_assisted and len(source.sequences) > 1:
             raise InputError("--hf-assisted runs one sequence: transformers' assisted generation has no batch > 1")
         extra = hf_assisted_runs(pair, source.sequences[0].prompt_ids, cfg) if args.hf_assisted else {}
+    extra = {**_draft_variants(args, pair, cfg, clips if kinds == {True} else None), **extra}
     names = f"{pair.draft_name} → {pair.target_name}"
-    with tqdm(desc="compare", unit="run", file=sys.stderr, total=1 + (4 + len(extra)) * args.repeat) as bar:
+    modes = tuple(args.modes)
+    with tqdm(desc="compare", unit="run", file=sys.stderr, total=1 + (1 + len(modes) + len(extra)) * args.repeat) as bar:
         started = []
 
         def stage(name: str) -> None:
@@ -251,8 +254,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             started.append(name)
             bar.set_postfix_str(name)
 
-        rows, traces = compare(source_runner(source, args.batch_size), cfg, extra=extra, repeat=args.repeat,
-                               on_stage=stage)
+        rows, traces = compare(source_runner(source, args.batch_size), cfg, modes=modes, extra=extra,
+                               repeat=args.repeat, on_stage=stage)
         bar.update(1)
     wer = {}
     if args.reference_file:
@@ -281,6 +284,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))
         print(f"table written to {args.json}", file=sys.stderr)
     return 0
+
+
+def _draft_variants(args: argparse.Namespace, pair, cfg: SpecConfig, clips) -> dict:
+    """Extra compare runs, one per --drafts entry 'KIND[:K]' (e.g. lookup+model:32768), in the first mode."""
+    out = {}
+    for spec in args.drafts or []:
+        kind, _, k = spec.partition(":")
+        if kind not in DRAFT_KINDS or (k and not k.isdigit()):
+            raise InputError(f"--drafts takes KIND[:K] with KIND one of {', '.join(DRAFT_KINDS)}, got {spec!r}")
+        variant = dataclasses.replace(cfg, mode=args.modes[0], draft_kind=kind,
+                                      draft_vocab=int(k) if k else cfg.draft_vocab)
+        if clips is not None:
+            from .asr import SpeechSource
+
+            source = SpeechSource(pair, clips, args.language, variant.draft_vocab)
+        else:
+            source = article_source(pair, _articles(args), variant, args.num_sequences)
+        name = f"{variant.mode} · {kind}" + (f" · K={variant.draft_vocab}" if variant.draft_vocab else " · all tokens")
+        out[name] = lambda source=source, variant=variant: run(source, variant, batch_size=args.batch_size)
+    return out
 
 
 def _window_count(clips: list) -> int:
@@ -483,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--hf-assisted", action="store_true", help="also time transformers' generate(assistant_model=...)")
     c.add_argument("--repeat", type=int, default=1, help="rounds of all runs; each row reports its median run")
     c.add_argument("--reference-file", help="reference transcript of an audio input: adds each run's WER")
+    c.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="verification modes to run")
+    c.add_argument("--drafts", nargs="+", metavar="KIND[:K]",
+                   help="extra runs in the first mode with other drafts, e.g. model lookup lookup+model:32768")
     c.set_defaults(func=cmd_compare)
     b = sub.add_parser("bench-speech-draft", help="acceptance and speed of self-speculative Whisper drafts by layer set")
     _add_common(b, "audio")

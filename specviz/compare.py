@@ -60,27 +60,37 @@ def run_hf_assisted(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig, con
     gc.num_assistant_tokens = cfg.gamma_init or 5
     gc.num_assistant_tokens_schedule = "heuristic" if cfg.gamma_policy == "hf" else "constant"
     gc.assistant_confidence_threshold = confidence_threshold
+    try:
+        return _run_hf_generate(pair, prompt_ids, cfg, {"mode": "hf-assisted", "confidence_threshold": confidence_threshold},
+                                assistant_model=pair.draft)
+    finally:
+        pair.draft.generation_config = assistant_config
+
+
+@torch.inference_mode()
+def run_hf_prompt_lookup(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig, tokens: int = 10) -> Trace:
+    """transformers' prompt lookup decoding (generate(prompt_lookup_num_tokens=...)): n-gram drafts, no draft
+    model; its own defaults otherwise (matches of up to 2 tokens)."""
+    return _run_hf_generate(pair, prompt_ids, cfg, {"mode": "hf-prompt-lookup", "prompt_lookup_num_tokens": tokens},
+                            prompt_lookup_num_tokens=tokens)
+
+
+def _run_hf_generate(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig, meta: dict, **generate_kwargs) -> Trace:
     sampling = cfg.sampling
     kwargs = dict(do_sample=False) if sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
     input_ids = torch.tensor([prompt_ids], device=pair.device)
     torch.manual_seed(cfg.seed)
-    try:
-        t0 = time.perf_counter()
-        out = pair.target.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=pair.draft,
-            max_new_tokens=cfg.max_new_tokens, min_new_tokens=0, **kwargs,
-        )
-        if pair.device.type == "cuda":
-            torch.cuda.synchronize()
-        total = time.perf_counter() - t0
-    finally:
-        pair.draft.generation_config = assistant_config
+    t0 = time.perf_counter()
+    out = pair.target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=cfg.max_new_tokens,
+                               min_new_tokens=0, **kwargs, **generate_kwargs)
+    if pair.device.type == "cuda":
+        torch.cuda.synchronize()
+    total = time.perf_counter() - t0
     new = out[0, len(prompt_ids):].tolist()
     text = pair.tokenizer.decode(new, skip_special_tokens=True)
     sequence = SequenceTrace(0, "input", "input", {}, list(prompt_ids), new, text, finished_s=total)
-    return Trace(meta={"mode": "hf-assisted", "confidence_threshold": confidence_threshold}, sequences=[sequence],
-                 total_s=total)
+    return Trace(meta=meta, sequences=[sequence], total_s=total)
 
 
 Runner = Callable[[SpecConfig, bool], Trace]  # (config, target_only) -> trace
@@ -128,8 +138,10 @@ def _median_trace(runs: list[Trace]) -> Trace:
 
 
 def hf_assisted_runs(pair: ModelPair, prompt_ids: list[int], cfg: SpecConfig) -> dict[str, Callable[[], Trace]]:
-    """transformers' assisted generation with our γ schedule, and with its default confidence threshold too."""
+    """transformers' assisted generation with our γ schedule, with its default confidence threshold too, and
+    its prompt lookup decoding."""
     return {
         "hf-assisted": lambda: run_hf_assisted(pair, prompt_ids, cfg, 0.0),
         "hf-assisted (confidence 0.4)": lambda: run_hf_assisted(pair, prompt_ids, cfg, 0.4),
+        "hf-prompt-lookup": lambda: run_hf_prompt_lookup(pair, prompt_ids, cfg),
     }

@@ -198,3 +198,19 @@ def test_subset_draft_output_follows_the_target(mode, int8, sampling):
     assert p[outside].sum() > 0.2  # the case must put real mass where the draft cannot go
     assert (failure := gof_failure(counts, p, alpha)) is None, failure
     assert counts[outside].sum() > 0
+
+
+def test_summary_and_page_say_which_draft_ran(tiny_pair):
+    from specviz.page import summary_markdown
+
+    prompts = _repeating_prompts()
+    mixed = decode(tiny_pair, prompts, SpecConfig(draft_kind="lookup+model", draft_vocab=3000, max_new_tokens=20))
+    s = mixed.summary()
+    assert 0 < s["lookup_share"] < 1 and s["cost_ratio"] > 0
+    line = summary_markdown(mixed)
+    assert "drafted by lookup+model" in line and "prompt lookup drafted" in line
+    assert f"draft head over {mixed.meta['draft_vocab_size']:,} of {VOCAB:,} tokens" in line
+    assert "measured c = " in line
+    alone = decode(tiny_pair, prompts, SpecConfig(draft_kind="lookup", max_new_tokens=20))
+    assert alone.summary()["lookup_share"] == 1 and alone.summary()["cost_ratio"] is None
+    assert "measured c" not in summary_markdown(alone) and "draft head" not in summary_markdown(alone)

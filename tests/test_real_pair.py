@@ -44,12 +44,16 @@ def test_target_only_summarizes(reference):
     assert "Harbor City" in reference.output_text or "bike" in reference.output_text.lower()
 
 
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
-def test_greedy_fp32_speculative_equals_target_only(pair, prompt, reference, mode):
-    trace = decode(pair, [prompt], SpecConfig(mode=mode, gamma_policy="hf", max_new_tokens=NEW_TOKENS))
+@pytest.mark.parametrize("mode, drafts", [
+    ("baseline", {}), ("exact", {}), ("exact", {"draft_kind": "lookup"}), ("exact", {"draft_vocab": 32768}),
+    ("baseline", {"draft_kind": "lookup+model", "draft_vocab": 32768}),
+], ids=["baseline", "exact", "lookup", "head-32k", "lookup+model-head-32k"])
+def test_greedy_fp32_speculative_equals_target_only(pair, prompt, reference, mode, drafts):
+    """The int8 draft, prompt lookup alone, a 32,768-token draft head, and lookup before that head."""
+    trace = decode(pair, [prompt], SpecConfig(mode=mode, gamma_policy="hf", max_new_tokens=NEW_TOKENS, **drafts))
     assert trace.outputs == reference.outputs
     s = trace.summary()
-    assert s["acceptance_rate"] > 0.3  # a real draft of the same family agrees often
+    assert s["acceptance_rate"] > 0.3  # a real draft of the same family (or the article itself) agrees often
     assert s["target_forward_passes"] < NEW_TOKENS
 
 

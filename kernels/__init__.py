@@ -10,11 +10,16 @@
 rule, same two-level residual scan) and returns the same keys. The caller draws the random numbers from its
 generator in tiled.py's order, `u = rand((B, γ))` then `u_res = rand((B,))`, and passes them in.
 
-Launches per call: two for `exact` (per-chunk softmax statistics, then normalizers + acceptance + residual
-masses + sampling in the last block of each row), one for `sigmoid`. All on torch's current CUDA stream,
-no copies of the logits (any batch/row strides; the last dimension must be contiguous or it is copied).
-One readback (a few bytes per row) when `check=True`, to raise on NaN / +inf / all -inf logits or drafted
-tokens outside the vocabulary; `check=False` makes the call fully asynchronous and skips those errors.
+Launches per call: two for `exact` (per-chunk softmax statistics, and with `topk` each chunk's k largest
+values; then thresholds, normalizers, acceptance, residual masses and sampling in the last block of each
+row), one for `sigmoid`. All on torch's current CUDA stream, no copies of the logits (any batch/row
+strides; the last dimension must be contiguous or it is copied). One readback (a few bytes per row, into
+pinned memory) when `check=True`: it raises on NaN / +inf / all -inf logits or drafted tokens outside the
+vocabulary, and `launch` hands its host copy back so that callers need no further sync; `check=False`
+makes the call fully asynchronous and skips those errors.
+
+Host cost: the grids, workspace layout and argument lists depend only on (mode, shapes, dtypes, strides,
+settings), so they are planned once per such key (`_cached_plan`) and a call patches the data pointers in.
 
 Importing this package needs neither CuPy nor a GPU: CuPy is imported inside the functions that use it.
 """
@@ -42,11 +47,19 @@ __all__ = [
     "compile_check",
     "nvrtc_check",
     "MAX_GAMMA",
+    "MAX_TOPK",
+    "launch",
+    "Launched",
+    "sigmoid_inv_den",
+    "topk_scale",
 ]
 
 KERNEL_DIR = Path(__file__).resolve().parent
 THREADS = 256  # SV_THREADS in verify.cu
 MAX_GAMMA = 256  # SV_MAX_GAMMA in verify.cu
+# Largest in-kernel top-k: the last block of each row merges K1·k candidates alone, so its tail grows with
+# k; larger k (rare) goes through `standardize` on the torch side.
+MAX_TOPK = 1024
 MAX_GRID_YZ = 65535
 UNROLL_SPAN = 1024  # SV_THREADS · SV_UNROLL: the columns one pass of a block covers
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -182,6 +195,32 @@ def plan_chunks(mode: str, batch: int, gamma: int, vocab: int, sms: int) -> tupl
     return stats, residual
 
 
+# Byte offsets of the outputs and the workspace inside a call's one device allocation (see `_layout`).
+_SRC_TARGET, _SRC_DRAFT, _SRC_TOKENS, _SRC_U, _SRC_URES, _SRC_BUFFER, _SRC_STATE = range(7)
+
+
+@dataclass
+class Plan:
+    """What every call of one (mode, shapes, dtypes, strides, settings) launches, minus the pointers.
+
+    launches: [(entry point, grid, argument template, pointer slots)]; a slot (i, source, offset) means
+    argument i is the data pointer of source (_SRC_*) plus offset bytes. Built once per key by `_plan`,
+    so a call only patches pointers into copies of the templates.
+    """
+
+    launches: list
+    out_bytes: int  # the leading bytes of the buffer that hold the outputs
+    total_bytes: int  # outputs, then workspace
+    batch: int
+    gamma: int
+    vocab: int
+    cast: bool  # the logits go through fp32 (mixed or unsupported dtypes)
+    copy_target: bool  # the last dimension is not contiguous: copied
+    copy_draft: bool
+    state_entries: int
+    slot_arrays: dict = None  # entry point -> `_slot_arrays` of its slots (filled by `_plan`)
+
+
 @dataclass
 class Prepared:
     """Everything one call launches, and the views of its outputs (see `_prepare`)."""
@@ -204,27 +243,18 @@ def state_size(batch: int, gamma: int) -> int:
     return batch + batch * (2 * gamma + 1)
 
 
-def _prepare(
-    mode: str,
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
-    u: torch.Tensor,
-    u_res: torch.Tensor,
-    *,
-    scale: float,
-    lenience: float,
-    sigmoid_alpha: float,
-    sigmoid_beta: float,
-    state: torch.Tensor,
-    sms: int,
-    stats_chunk: int | None = None,
-    residual_chunk: int | None = None,
-) -> Prepared:
-    """Validate, lay out buffers and build the argument lists. Works on any device (no CuPy here).
+def sigmoid_inv_den(alpha: float, beta: float) -> np.float32:
+    """fp32(1) / fp32(β - α): the factor torch on CUDA multiplies by for `t / (β - α)` (a Python scalar)."""
+    return np.float32(1) / np.float32(beta - alpha)
 
-    state: int32, zero, at least state_size(B, γ) entries; the kernels leave it zero again.
-    """
+
+def topk_scale(temperature: float) -> np.float32:
+    """fp32(1) / fp32(T): the factor torch on CUDA multiplies by for `standardize`'s `z / T`."""
+    return np.float32(1) / np.float32(temperature)
+
+
+def _validate(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, alpha, beta, topk):
+    """The input checks of a plan (run once per plan key: shapes, dtypes and settings are in the key)."""
     if mode not in MODES:
         raise ValueError(f"unknown CUDA verification mode {mode!r}; choose one of {', '.join(MODES)}")
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
@@ -249,25 +279,50 @@ def _prepare(
         raise ValueError(f"lenience must be in (0, 1], got {lenience}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
-    if mode == "sigmoid" and not sigmoid_alpha < sigmoid_beta:
+    if mode == "sigmoid" and not alpha < beta:
         raise ValueError("sigmoid α must be smaller than β")
-    device = target_logits.device
-    for name, t in (("draft_tokens", draft_tokens), ("draft_logits", draft_logits), ("u", u), ("u_res", u_res)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, target_logits on {device}")
+    if topk and (mode != "exact" or not 0 < topk <= MAX_TOPK):
+        raise ValueError(f"in-kernel top-k needs mode 'exact' and 1 <= k <= {MAX_TOPK}, got {mode!r}, k={topk}")
 
+
+def _inputs(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor,
+            u_res: torch.Tensor, plan: Plan) -> tuple:
+    """The tensors the kernels read, converted as the plan says (no-ops in the usual case)."""
+    if plan.cast:
+        draft_logits, target_logits = draft_logits.float(), target_logits.float()
+    if plan.copy_target:
+        target_logits = target_logits.contiguous()
+    if plan.copy_draft:
+        draft_logits = draft_logits.contiguous()
+    if not tokens.is_contiguous():
+        tokens = tokens.contiguous()
+    if u.dtype != torch.float32 or not u.is_contiguous():
+        u = u.to(torch.float32).contiguous()
+    if u_res.dtype != torch.float32 or not u_res.is_contiguous():
+        u_res = u_res.to(torch.float32).contiguous()
+    return target_logits, draft_logits, tokens, u, u_res
+
+
+def _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, lenience, sigmoid_alpha, sigmoid_beta,
+          sms, stats_chunk, residual_chunk, topk) -> Plan:
+    """Validate once and lay out buffers, grids and argument templates (see `Plan`)."""
+    _validate(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, sigmoid_alpha,
+              sigmoid_beta, topk)
+    B, gamma = draft_tokens.shape
+    V = target_logits.shape[-1]
     # Logits: fp32 / fp16 / bf16 are read as they are; anything else (or a mixed pair) goes through fp32,
     # which is what the torch path computes in anyway (`logits.float()`).
-    if draft_logits.dtype != target_logits.dtype or target_logits.dtype not in _SUFFIX:
+    cast = draft_logits.dtype != target_logits.dtype or target_logits.dtype not in _SUFFIX
+    if cast:
         draft_logits, target_logits = draft_logits.float(), target_logits.float()
-    if target_logits.stride(-1) != 1:
+    copy_target, copy_draft = target_logits.stride(-1) != 1, draft_logits.stride(-1) != 1
+    if copy_target:
         target_logits = target_logits.contiguous()
-    if draft_logits.stride(-1) != 1:
+    if copy_draft:
         draft_logits = draft_logits.contiguous()
-    tokens = draft_tokens.contiguous()
-    u = u.to(torch.float32).contiguous()
-    u_res = u_res.to(torch.float32).contiguous()
     suffix = _SUFFIX[target_logits.dtype]
+    if topk >= V:
+        topk = 0  # keeps every token, as `standardize` skips top_k >= V
 
     R = 2 * gamma + 1
     auto_stats, auto_residual = plan_chunks(mode, B, gamma, V, sms)
@@ -279,54 +334,157 @@ def _prepare(
     K2 = -(-V // chunk2)
     if mode == "sigmoid" and K2 * R >= 1 << 32:
         raise ValueError("too many blocks per row for the 32-bit ticket counter")
-    if max(K1, K2) > (1 << 31) - 1:
+    if max(K1, K2) > (1 << 31) - 1 or K1 * max(topk, 1) > (1 << 31) - 1:
         raise ValueError("vocabulary too large for the grid")
-    if state.dtype != torch.int32 or state.numel() < state_size(B, gamma) or state.device != device:
-        raise ValueError("state must be a zero int32 tensor of at least state_size(B, γ) entries on the logits' device")
 
     # One allocation: outputs [n (B) | next_token (B) | errors (5B)] int64, [accept_prob | p | q | u] fp32
-    # (B·γ each), then the workspace: partials [B, 2γ+1, K1] (max, sum) and masses [B, K2] (residual, p).
+    # (B·γ each), then the workspace: partials [B, 2γ+1, K1] (max, sum), top-k candidates [B, 2γ+1, K1, k],
+    # their tie counts [B, 2γ+1, K1] and the rows' (threshold, normalizer) [B, 2γ+1, 2], masses [B, K2]
+    # (residual, p).
     off_f32 = 7 * B * 8
     out_bytes = off_f32 + 4 * B * gamma * 4
     off_part = _round_up(out_bytes, 256)
     part_bytes = B * R * K1 * 2 * 4 if mode == "exact" else 0
-    off_mass = _round_up(off_part + part_bytes, 256)
+    off_cand = _round_up(off_part + part_bytes, 256)
+    off_extra = _round_up(off_cand + B * R * K1 * topk * 4, 256)
+    off_rowstat = _round_up(off_extra + (B * R * K1 * 4 if topk else 0), 256)
+    off_mass = _round_up(off_rowstat + (B * R * 2 * 4 if topk else 0), 256)
     total = off_mass + B * K2 * 2 * 4
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    base = buffer.data_ptr()
-    out_i64, out_f32 = np.uint64(base), np.uint64(base + off_f32)
-    partials, masses = np.uint64(base + off_part), np.uint64(base + off_mass)
-    counters = np.uint64(state.data_ptr())
-    rowflags = np.uint64(state.data_ptr() + 4 * B)
 
     i32, i64, f32 = np.int32, np.int64, np.float32
-    logits = (
-        _ptr(target_logits), i64(target_logits.stride(0)), i64(target_logits.stride(1)),
-        _ptr(draft_logits), i64(draft_logits.stride(0)), i64(draft_logits.stride(1)),
-    )
-    ctx = logits + (
-        _ptr(tokens), _ptr(u), _ptr(u_res), i32(B), i32(gamma), i64(V),
-        f32(scale), f32(lenience), f32(sigmoid_alpha), f32(1.0 / (sigmoid_beta - sigmoid_alpha)),  # as torch on CUDA
-        out_i64, out_f32,
-    )
+    null = np.uint64(0)
+    # (argument index -> source, offset): filled per call by `_materialize`
+    logits = [null, i64(target_logits.stride(0)), i64(target_logits.stride(1)),
+              null, i64(draft_logits.stride(0)), i64(draft_logits.stride(1))]
+    logit_slots = [(0, _SRC_TARGET, 0), (3, _SRC_DRAFT, 0)]
+    ctx = logits + [null, null, null, i32(B), i32(gamma), i64(V), f32(scale), f32(lenience), f32(sigmoid_alpha),
+                    sigmoid_inv_den(sigmoid_alpha, sigmoid_beta), null, null]
+    ctx_slots = logit_slots + [(6, _SRC_TOKENS, 0), (7, _SRC_U, 0), (8, _SRC_URES, 0), (16, _SRC_BUFFER, 0),
+                               (17, _SRC_BUFFER, off_f32)]
+    n = len(ctx)
     if mode == "exact":
+        stats = logits + [i32(gamma), i64(V), f32(scale), i64(chunk1), null, i32(topk), null, null, null, null]
+        stats_slots = logit_slots + [(10, _SRC_BUFFER, off_part)]
+        resample = ctx + [i64(chunk2), i32(K1), null, null, null, i32(topk), null]
+        resample_slots = ctx_slots + [(n + 2, _SRC_BUFFER, off_part), (n + 3, _SRC_BUFFER, off_mass),
+                                      (n + 4, _SRC_STATE, 0)]
+        if topk:  # row tickets: the state's error-word region, which exact mode does not otherwise use
+            stats_slots += [(12, _SRC_BUFFER, off_cand), (13, _SRC_BUFFER, off_extra),
+                            (14, _SRC_BUFFER, off_rowstat), (15, _SRC_STATE, 4 * B)]
+            resample_slots += [(n + 6, _SRC_BUFFER, off_rowstat)]
         launches = [
-            (f"sv_exact_stats_{suffix}", (K1, R, B), logits + (i32(gamma), i64(V), f32(scale), i64(chunk1), partials)),
-            (f"sv_exact_resample_{suffix}", (K2, B, 1), ctx + (i64(chunk2), i32(K1), partials, masses, counters)),
+            (f"sv_exact_stats_{suffix}", (K1, R, B), stats, stats_slots),
+            (f"sv_exact_resample_{suffix}", (K2, B, 1), resample, resample_slots),
         ]
     else:
-        launches = [(f"sv_sigmoid_{suffix}", (K2, R, B), ctx + (i64(chunk2), masses, rowflags, counters))]
-    return Prepared(launches, buffer, out_bytes, B, gamma, V, (target_logits, draft_logits, tokens, u, u_res, state))
+        sig = ctx + [i64(chunk2), null, null, null]
+        sig_slots = ctx_slots + [(n + 1, _SRC_BUFFER, off_mass), (n + 2, _SRC_STATE, 4 * B), (n + 3, _SRC_STATE, 0)]
+        launches = [(f"sv_sigmoid_{suffix}", (K2, R, B), sig, sig_slots)]
+    return Plan(launches, out_bytes, total, B, gamma, V, cast, copy_target, copy_draft, state_size(B, gamma),
+                {name: _slot_arrays(slots) for name, _, _, slots in launches})
+
+
+_plans: dict[tuple, Plan] = {}
+_MAX_PLANS = 256  # shapes vary with B and γ; beyond this the cache starts over (a plan is cheap to rebuild)
+
+
+def _plan_key(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, alpha, beta, sms,
+              stats_chunk, residual_chunk, topk) -> tuple:
+    return (mode, tuple(draft_tokens.shape), draft_tokens.dtype, draft_logits.dtype, target_logits.dtype,
+            tuple(draft_logits.shape), draft_logits.stride(), tuple(target_logits.shape), target_logits.stride(),
+            tuple(u.shape), tuple(u_res.shape), scale, lenience, alpha, beta, sms, stats_chunk, residual_chunk, topk)
+
+
+def _cached_plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, lenience, sigmoid_alpha,
+                 sigmoid_beta, sms, stats_chunk=None, residual_chunk=None, topk=0) -> Plan:
+    key = _plan_key(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, sigmoid_alpha,
+                    sigmoid_beta, sms, stats_chunk, residual_chunk, topk)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
+                     sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, sms=sms, stats_chunk=stats_chunk,
+                     residual_chunk=residual_chunk, topk=topk)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _slot_arrays(slots: list) -> tuple:
+    """(argument indices, source indices, byte offsets as uint64) of a launch's pointer slots."""
+    return ([i for i, _, _ in slots], np.array([src for _, src, _ in slots], dtype=np.intp),
+            np.array([off for _, _, off in slots], dtype=np.uint64))
+
+
+def _materialize(plan: Plan, sources: tuple, buffer: torch.Tensor, state: torch.Tensor) -> list:
+    """[(entry point, grid, args)]: the plan's templates with this call's pointers patched in."""
+    base = np.array([t.data_ptr() for t in sources] + [buffer.data_ptr(), state.data_ptr()], dtype=np.uint64)
+    launches = []
+    for name, grid, template, slots in plan.launches:
+        idx, src, off = plan.slot_arrays[name]
+        args = list(template)
+        for i, v in zip(idx, base[src] + off):  # one numpy op per launch, np.uint64 scalars out
+            args[i] = v
+        launches.append((name, grid, tuple(args)))
+    return launches
+
+
+def _prepare(
+    mode: str,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    u: torch.Tensor,  # [B, γ]
+    u_res: torch.Tensor,  # [B]
+    *,
+    scale: float,
+    lenience: float,
+    sigmoid_alpha: float,
+    sigmoid_beta: float,
+    state: torch.Tensor,
+    sms: int,
+    stats_chunk: int | None = None,
+    residual_chunk: int | None = None,
+    topk: int = 0,
+) -> Prepared:
+    """Validate (once per plan), allocate the buffer and patch the argument lists. Any device (no CuPy here).
+
+    state: int32, zero, at least state_size(B, γ) entries; the kernels leave it zero again.
+    topk: in-kernel top-k on the logits scaled by `scale` (exact mode; 0 = none).
+    """
+    plan = _cached_plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
+                        sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, sms=sms, stats_chunk=stats_chunk,
+                        residual_chunk=residual_chunk, topk=topk)
+    device = target_logits.device
+    for name, t in (("draft_tokens", draft_tokens), ("draft_logits", draft_logits), ("u", u), ("u_res", u_res)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, target_logits on {device}")
+    if state.dtype != torch.int32 or state.numel() < plan.state_entries or state.device != device:
+        raise ValueError("state must be a zero int32 tensor of at least state_size(B, γ) entries on the logits' device")
+    sources = _inputs(draft_logits, target_logits, draft_tokens, u, u_res, plan)
+    buffer = torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)
+    return Prepared(_materialize(plan, sources, buffer, state), buffer, plan.out_bytes, plan.batch, plan.gamma,
+                    plan.vocab, sources + (state,))
 
 
 def _views(raw: torch.Tensor, B: int, gamma: int) -> dict[str, torch.Tensor]:
     """Typed views of the output bytes (device buffer or its host copy)."""
-    i64 = raw[: 7 * B * 8].view(torch.int64)
-    f32 = raw[7 * B * 8: 7 * B * 8 + 16 * B * gamma].view(torch.float32).view(4, B, gamma)
+    # split / unbind: one op for several views (each torch op costs the host ~1-2 µs)
+    n, t, errors = raw[: 7 * B * 8].view(torch.int64).split([B, B, 5 * B])
+    accept_prob, p_draft, q_draft, uniforms = (
+        raw[7 * B * 8: 7 * B * 8 + 16 * B * gamma].view(torch.float32).view(4, B, gamma).unbind(0))
+    return dict(n_accepted=n, next_token=t, errors=errors.view(B, 5), accept_prob=accept_prob, p_draft=p_draft,
+                q_draft=q_draft, uniforms=uniforms)
+
+
+def host_lists(raw: np.ndarray, B: int, gamma: int) -> dict[str, list]:
+    """The output bytes (uint8, host) as Python lists: the same keys as `_views`, [B] or [B][γ] each."""
+    i64 = raw[: 7 * B * 8].view(np.int64)
+    f32 = raw[7 * B * 8: 7 * B * 8 + 16 * B * gamma].view(np.float32).reshape(4, B, gamma).tolist()
     return dict(
-        n_accepted=i64[:B],
-        next_token=i64[B:2 * B],
-        errors=i64[2 * B:].view(B, 5),
+        n_accepted=i64[:B].tolist(),
+        next_token=i64[B:2 * B].tolist(),
+        errors=i64[2 * B:].reshape(B, 5).tolist(),
         accept_prob=f32[0],
         p_draft=f32[1],
         q_draft=f32[2],
@@ -334,8 +492,9 @@ def _views(raw: torch.Tensor, B: int, gamma: int) -> dict[str, torch.Tensor]:
     )
 
 
-def raise_for_errors(errors: torch.Tensor, vocab: int) -> None:
-    """Raise for the first problem the kernels flagged; errors: host int64 [B, 5] (see verify.cu sv_finish).
+def raise_for_errors(errors, vocab: int) -> None:
+    """Raise for the first problem the kernels flagged; errors: host int64 [B, 5] (tensor or nested list;
+    see verify.cu sv_finish).
 
     Order as in `specviz.verify`: drafted tokens out of range, then draft logits, then target logits.
     """
@@ -343,7 +502,7 @@ def raise_for_errors(errors: torch.Tensor, vocab: int) -> None:
         from specviz.sampling import InvalidLogitsError
     except Exception:  # used outside the project
         InvalidLogitsError = ValueError  # noqa: N806
-    rows = errors.tolist()
+    rows = errors.tolist() if hasattr(errors, "tolist") else errors
     for b, row in enumerate(rows):
         if row[4] >= 0:
             raise ValueError(f"draft_tokens must lie in [0, {vocab}): position [{b}, {row[4]}] does not")
@@ -401,37 +560,40 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def verify_cuda(
+@dataclass
+class Launched:
+    """One verification on the GPU: device views of the outputs, and their host copy when it was read back."""
+
+    outputs: dict  # verify_tiled's keys -> device tensors (views of the call's buffer)
+    host: dict | None  # the same keys -> Python lists ([B] or [B][γ]), from the one readback; None if check=False
+
+
+def launch(
     mode: str,
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
-    u: torch.Tensor,
-    u_res: torch.Tensor,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    u: torch.Tensor,  # [B, γ]
+    u_res: torch.Tensor,  # [B]
     *,
     scale: float = 1.0,
     lenience: float = 1.0,
     sigmoid_alpha: float = -1e4,
     sigmoid_beta: float = 1e4,
+    topk: int = 0,
     check: bool = True,
-    host: bool = False,
     stats_chunk: int | None = None,
     residual_chunk: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Verify on the GPU; returns verify_tiled's keys: n_accepted, next_token, accept_prob, uniforms, p_draft, q_draft.
+    events: tuple | None = None,
+) -> Launched:
+    """`verify_cuda`'s work, returning the device outputs and (check=True) the host lists of the readback.
 
-    mode: 'exact' or 'sigmoid'. Logits as verify_tiled receives them after its own preparation: raw logits
-    with scale = 1/temperature (temperature-only sampling), or standardized logits (-inf masks) with scale = 1.
-    u [B, γ] and u_res [B]: the uniforms, drawn by the caller (u first, then u_res).
-    check: read the few output bytes back once and raise InvalidLogitsError (NaN / +inf / all -inf logits,
-    naming tensor and row) or ValueError (drafted token outside [0, V)); False: no host sync, no errors.
-    host: return the host copies from that readback instead of device tensors (needs check=True).
-    stats_chunk / residual_chunk: columns per block (default: sized to fill the GPU); tests use them.
+    The readback copies the few output bytes into pinned host memory and waits for that copy only: the
+    one host sync of a call. events: optional (start, end) torch.cuda.Events recorded right before the
+    first and after the last kernel launch (benchmarks: GPU time without the host's share).
     """
     if not target_logits.is_cuda:
         raise ValueError("verify_cuda needs CUDA tensors")
-    if host and not check:
-        raise ValueError("host=True needs check=True (the readback)")
     import cupy
 
     device = target_logits.device
@@ -443,17 +605,68 @@ def verify_cuda(
             mode, draft_tokens, draft_logits, target_logits, u, u_res,
             scale=scale, lenience=lenience, sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta,
             state=state, sms=_sm_count(device.index), stats_chunk=stats_chunk, residual_chunk=residual_chunk,
+            topk=topk,
         )
         functions = _functions(device.index)
+        if events is not None:
+            events[0].record(stream)
         with cupy.cuda.Device(device.index), _cupy_stream(cupy, stream):
             for name, grid, args in prep.launches:
                 functions[name](grid, (THREADS, 1, 1), args)
+        if events is not None:
+            events[1].record(stream)
         outputs = _views(prep.buffer, prep.batch, prep.gamma)
-        if check:
-            host_bytes = prep.buffer[: prep.out_bytes].cpu()  # the one readback (synchronizes the stream)
-            host_views = _views(host_bytes, prep.batch, prep.gamma)
-            raise_for_errors(host_views["errors"], prep.vocab)
-            if host:
-                outputs = host_views
-    outputs.pop("errors")
-    return outputs
+        outputs.pop("errors")
+        if not check:
+            return Launched(outputs, None)
+        pinned = torch.empty(prep.out_bytes, dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(prep.buffer[: prep.out_bytes], non_blocking=True)
+        stream.synchronize()  # the one host sync: waits for the kernels and this copy
+    host = host_lists(pinned.numpy(), prep.batch, prep.gamma)
+    raise_for_errors(host.pop("errors"), prep.vocab)
+    return Launched(outputs, host)
+
+
+def verify_cuda(
+    mode: str,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    u: torch.Tensor,  # [B, γ]
+    u_res: torch.Tensor,  # [B]
+    *,
+    scale: float = 1.0,
+    lenience: float = 1.0,
+    sigmoid_alpha: float = -1e4,
+    sigmoid_beta: float = 1e4,
+    topk: int = 0,
+    check: bool = True,
+    host: bool = False,
+    stats_chunk: int | None = None,
+    residual_chunk: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Verify on the GPU; returns verify_tiled's keys: n_accepted, next_token, accept_prob, uniforms, p_draft, q_draft.
+
+    mode: 'exact' or 'sigmoid'. Logits as verify_tiled receives them after its own preparation: raw logits
+    with scale = 1/temperature (temperature-only sampling), or standardized logits (-inf masks) with scale = 1.
+    topk (exact only, 1..MAX_TOPK): mask each row to its k largest values of scale·logits inside the kernels,
+    as `standardize` does (ties with the k-th value kept); pass raw logits and scale = topk_scale(T).
+    u [B, γ] and u_res [B]: the uniforms, drawn by the caller (u first, then u_res).
+    check: read the few output bytes back once and raise InvalidLogitsError (NaN / +inf / all -inf logits,
+    naming tensor and row) or ValueError (drafted token outside [0, V)); False: no host sync, no errors.
+    host: return CPU tensors made from that readback instead of device tensors (needs check=True).
+    stats_chunk / residual_chunk: columns per block (default: sized to fill the GPU); tests use them.
+    """
+    if host and not check:
+        raise ValueError("host=True needs check=True (the readback)")
+    done = launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
+                  sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, topk=topk, check=check,
+                  stats_chunk=stats_chunk, residual_chunk=residual_chunk)
+    if not host:
+        return done.outputs
+    h = done.host
+    return dict(
+        n_accepted=torch.tensor(h["n_accepted"], dtype=torch.long),
+        next_token=torch.tensor(h["next_token"], dtype=torch.long),
+        **{k: torch.tensor(h[k], dtype=torch.float32) for k in ("accept_prob", "uniforms", "p_draft", "q_draft")},
+    )

@@ -11,10 +11,15 @@
 //   1. sv_exact_stats_*    grid (K1, 2γ+1, B): block (c, r, b) reduces chunk c of row r (target rows
 //      0..γ, then draft rows 0..γ-1) to (max, Σ exp(z - max)) with z = scale·logit, one read of each
 //      logit, and writes the pair to partials[b, r, c]. A chunk holding NaN / +inf stores NaN / +inf as
-//      its max: the error flag.
+//      its max: the error flag. With top-k (topk > 0) the block also lists its chunk's k largest values
+//      (radix select over the order-preserving bits of scale·x, four 8-bit histogram passes over the
+//      chunk, which L2 still holds; no sort) into cand[b, r, c, 0..k) and the count of further ties;
+//      the last block of row (b, r) (ticket per row) selects the row's threshold kth among the K1 lists
+//      and sums the normalizer of the values >= kth into rowstat[b, r] = (kth, L).
 //   2. sv_exact_resample_* grid (K2, B): every block merges the partials into log-normalizers
 //      L = m + log(s) (redundantly, they are a few KB), computes p(x_j), q(x_j), the ratios and n
-//      (identically in every block), then the residual mass of its chunk of row n, max(0, p - w·q) with
+//      (identically in every block; top-k rows take (kth, L) from rowstat), then the residual mass of
+//      its chunk of row n, max(0, p - w·q) with
 //      w = l for a rejection and w = 0 for the bonus, plus the plain p mass (the fallback when the
 //      residual has no mass). The last block of batch b to finish (threadfence + atomic ticket; it
 //      resets the counter for the next call) scans the chunk masses, then the chosen chunk, and writes
@@ -29,14 +34,23 @@
 // the first token whose cumulative residual exceeds goal - (mass before the chunk), clamped likewise.
 // Only entries with positive mass are ever picked.
 //
-// State: counters [B] (ticket per batch row) and, for sigmoid, error words [B, 2γ+1] must be zero before
+// State: counters [B] (ticket per batch row) and, for sigmoid, error words [B, 2γ+1] (exact with top-k:
+// tickets per stacked row, the same words) must be zero before
 // a launch; the last block of each batch row sets its entries back to zero, so one zeroed buffer serves
 // every later call on the same stream. Workspace (partials, masses) needs no initialization.
 //
+// Top-k (exact mode only; sigmoid and top-p still get logits standardized by torch): a value z = scale·x
+// below its row's threshold is masked to -inf before exp, as `specviz.sampling.standardize` masks
+// `z < kth`; ties with kth are kept, as there. The wrapper passes scale = fp32(1) / fp32(T), the factor
+// torch on CUDA multiplies by for `z / T`.
+//
 // Arithmetic that decides outcomes repeats torch's fp32 operations on CUDA, unfused (__fmul_rn etc.):
-// scale·z, z - L, exp, l·q, p / (l·q), p - w·q, and for sigmoid (z - α)·fp32(1/(β - α)) (torch divides by a
-// Python scalar as a multiplication by its reciprocal) and 1 / (1 + exp(-t)). Per-element probabilities
-// therefore match torch's bit for bit given the same normalizer; sums run in a different order, so
+// scale·z, z - L, exp, l·q, p / (l·q), p - w·q, and for sigmoid (z - α)·(fp32(1) / fp32(β - α)) (torch on
+// CUDA divides a float tensor by a Python scalar as a multiplication by that fp32 reciprocal) and
+// 1 / (1 + exp(-t)). Given the same normalizer L, a per-element probability is then the same fp32
+// expression as torch's; that it is the same bits also assumes torch's CUDA exp is the same expf as
+// NVRTC's (both the precise libdevice one unless fast math is on), which no test here checks (the CPU
+// emulator runs the host's expf). L itself, and every sum, runs in a different order than torch's, so
 // near-ties can fall differently. SPECVIZ_EMULATE is defined only by the CPU emulator in the tests.
 //
 // Rules kept throughout: every __syncthreads / __syncthreads_or is reached by all threads of the block
@@ -100,11 +114,13 @@ struct sv_bf16 {
 // ------------------------------------------------------------------------------------------------
 
 // exact: exp(scale·x - L); sigmoid: 1 / (1 + exp(-((scale·x - α) / (β - α)))). torch on CUDA divides a
-// tensor by a Python scalar as a multiplication by the reciprocal, rounded to fp32 from double, so the
-// wrapper passes inv_den = fp32(1 / (β - α)) and this multiplies.
+// float tensor by a Python scalar as a multiplication by 1.0f / float(scalar), so the wrapper passes
+// inv_den = fp32(1) / fp32(β - α) and this multiplies. thr: the row's top-k threshold (-inf: none); a
+// value below it is masked to -inf first, as `standardize` does, which gives probability 0 in both modes.
 template <bool SIG>
-__device__ __forceinline__ float sv_prob(float x, float scale, float L, float alpha, float inv_den) {
-  const float z = __fmul_rn(x, scale);
+__device__ __forceinline__ float sv_prob(float x, float scale, float L, float alpha, float inv_den, float thr) {
+  float z = __fmul_rn(x, scale);
+  if (z < thr) z = sv_neg_inf();
   if (SIG) {
     const float t = __fmul_rn(__fsub_rn(z, alpha), inv_den);
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-t)));
@@ -191,6 +207,76 @@ __device__ __forceinline__ float sv_block_exclusive_scan(float v, float* sh) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Top-k: radix select on order-preserving keys (no sort)
+// ------------------------------------------------------------------------------------------------
+
+// Unsigned key with the order of the floats (-inf lowest; NaN above +inf, only in rows that raise).
+// -0 is keyed as +0: they are one value for the masking comparison z < kth.
+__device__ __forceinline__ unsigned int sv_key(float f) {
+  if (f == 0.0f) f = 0.0f;
+  const unsigned int u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float sv_unkey(unsigned int k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Keys of scale·x for the columns of one logit row segment (launch 1) ...
+template <class D>
+struct sv_logit_keys {
+  const typename D::T* row;
+  float scale;
+  __device__ __forceinline__ unsigned int operator()(sv_i64 i) const { return sv_key(__fmul_rn(D::load(row, i), scale)); }
+};
+// ... and of candidate values already scaled (launch 2).
+struct sv_value_keys {
+  const float* v;
+  __device__ __forceinline__ unsigned int operator()(sv_i64 i) const {
+    return sv_key(((const volatile float*)v)[i]);  // written by other blocks of the launch
+  }
+};
+
+// The key of the k-th largest of get(0..n-1), 1 <= k <= n: four passes of an 8-bit histogram from the most
+// significant digit down. Every thread returns the same key, *gt the number of larger keys and *eq the
+// number of keys equal to it. hist: 256 shared words; misc: 3 shared ints. Call from all threads.
+template <class G>
+__device__ __forceinline__ unsigned int sv_select(const G& get, sv_i64 n, int k, unsigned int* hist, int* misc,
+                                                  int* gt, int* eq) {
+  unsigned int prefix = 0u, mask = 0u;
+  int rank = k, above_all = 0, equal = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += SV_THREADS) hist[i] = 0u;
+    __syncthreads();
+    for (sv_i64 i = threadIdx.x; i < n; i += SV_THREADS) {
+      const unsigned int key = get(i);
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int above = 0, d = 255;
+      for (; d > 0; --d) {  // the highest digit whose keys reach the rank still wanted
+        const int h = (int)hist[d];
+        if (above + h >= rank) break;
+        above += h;
+      }
+      misc[0] = d;
+      misc[1] = above;
+      misc[2] = (int)hist[d];
+    }
+    __syncthreads();
+    prefix |= (unsigned int)misc[0] << shift;
+    mask |= 255u << shift;
+    rank -= misc[1];
+    above_all += misc[1];
+    equal = misc[2];
+    __syncthreads();  // misc and hist are rewritten by the next pass
+  }
+  *gt = above_all;
+  *eq = equal;
+  return prefix;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Shared context
 // ------------------------------------------------------------------------------------------------
 
@@ -227,21 +313,22 @@ struct sv_ctx {
 template <class D, bool SIG>
 __device__ __forceinline__ float sv_residual_at(const sv_ctx<D>& x, const typename D::T* prow,
                                                 const typename D::T* qrow, sv_i64 i, float Lp, float Lq,
-                                                float w) {
-  const float p = sv_prob<SIG>(D::load(prow, i), x.scale, Lp, x.alpha, x.inv_den);
+                                                float Tp, float Tq, float w) {
+  const float p = sv_prob<SIG>(D::load(prow, i), x.scale, Lp, x.alpha, x.inv_den, Tp);
   float wq = 0.0f;
-  if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(D::load(qrow, i), x.scale, Lq, x.alpha, x.inv_den));
+  if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(D::load(qrow, i), x.scale, Lq, x.alpha, x.inv_den, Tq));
   return fmaxf(__fsub_rn(p, wq), 0.0f);
 }
 
 // Ratios at the drafted tokens and the number accepted, n = index of the first rejection (γ if none),
 // left in *s_first; the first out-of-range drafted token in *s_badtok. Identical in every block (the same
 // operations on the same values). `write`: this block stores accept_prob, p_draft, q_draft and a copy of u.
-// L: shared log-normalizers of the stacked rows (exact); unused for sigmoid. Call from all threads;
+// L: shared log-normalizers of the stacked rows (exact); unused for sigmoid. T: shared top-k thresholds
+// of the stacked rows, or null (no top-k). Call from all threads;
 // *s_first and *s_badtok must hold γ and a barrier must separate that from this call.
 template <class D, bool SIG>
-__device__ __forceinline__ void sv_accept(const sv_ctx<D>& x, int b, const float* L, bool write,
-                                          int* s_first, int* s_badtok) {
+__device__ __forceinline__ void sv_accept(const sv_ctx<D>& x, int b, const float* L, const float* T,
+                                          bool write, int* s_first, int* s_badtok) {
   for (int j = threadIdx.x; j < x.gamma; j += SV_THREADS) {
     sv_i64 tok = x.tokens[(sv_i64)b * x.gamma + j];
     const bool ok = tok >= 0 && tok < x.V;
@@ -251,8 +338,10 @@ __device__ __forceinline__ void sv_accept(const sv_ctx<D>& x, int b, const float
     }
     const float lp = SIG ? 0.0f : L[j];
     const float lq = SIG ? 0.0f : L[x.gamma + 1 + j];
-    const float px = sv_prob<SIG>(D::load(x.prow(b, j), tok), x.scale, lp, x.alpha, x.inv_den);
-    const float qx = sv_prob<SIG>(D::load(x.qrow(b, j), tok), x.scale, lq, x.alpha, x.inv_den);
+    const float tp = T ? T[j] : sv_neg_inf();
+    const float tq = T ? T[x.gamma + 1 + j] : sv_neg_inf();
+    const float px = sv_prob<SIG>(D::load(x.prow(b, j), tok), x.scale, lp, x.alpha, x.inv_den, tp);
+    const float qx = sv_prob<SIG>(D::load(x.qrow(b, j), tok), x.scale, lq, x.alpha, x.inv_den, tq);
     const float ratio = __fdiv_rn(px, __fmul_rn(x.lenience, qx));
     const sv_i64 o = (sv_i64)b * x.gamma + j;
     const bool accepted = ok && x.u[o] <= ratio;  // NaN (0/0) compares false: rejected
@@ -272,7 +361,8 @@ __device__ __forceinline__ void sv_accept(const sv_ctx<D>& x, int b, const float
 template <class D, bool SIG>
 __device__ __forceinline__ void sv_chunk_mass(const sv_ctx<D>& x, const typename D::T* prow,
                                               const typename D::T* qrow, sv_i64 start, sv_i64 end,
-                                              float Lp, float Lq, float w, float& rsum, float& psum) {
+                                              float Lp, float Lq, float Tp, float Tq, float w, float& rsum,
+                                              float& psum) {
   for (sv_i64 i = start + threadIdx.x; i < end; i += (sv_i64)SV_THREADS * SV_UNROLL) {
     float zp[SV_UNROLL], zq[SV_UNROLL];
 #pragma unroll
@@ -285,9 +375,9 @@ __device__ __forceinline__ void sv_chunk_mass(const sv_ctx<D>& x, const typename
     for (int k = 0; k < SV_UNROLL; ++k) {
       const sv_i64 col = i + (sv_i64)k * SV_THREADS;
       if (col < end) {
-        const float p = sv_prob<SIG>(zp[k], x.scale, Lp, x.alpha, x.inv_den);
+        const float p = sv_prob<SIG>(zp[k], x.scale, Lp, x.alpha, x.inv_den, Tp);
         float wq = 0.0f;
-        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(zq[k], x.scale, Lq, x.alpha, x.inv_den));
+        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<SIG>(zq[k], x.scale, Lq, x.alpha, x.inv_den, Tq));
         rsum += fmaxf(__fsub_rn(p, wq), 0.0f);
         psum += p;
       }
@@ -300,7 +390,7 @@ __device__ __forceinline__ void sv_chunk_mass(const sv_ctx<D>& x, const typename
 // batch b, written by other blocks: read through volatile after the caller's __threadfence.
 // Call from all threads of the block.
 template <class D, bool SIG>
-__device__ __forceinline__ void sv_finish(const sv_ctx<D>& x, int b, int n, float Lp, float Lq,
+__device__ __forceinline__ void sv_finish(const sv_ctx<D>& x, int b, int n, float Lp, float Lq, float Tp, float Tq,
                                           const int* s_flag, const float* masses, int K2, sv_i64 chunk2,
                                           int badtok, float* s_red) {
   __shared__ int s_bad_draft, s_bad_target, s_k, s_sel, s_jmin, s_jmax;
@@ -395,11 +485,11 @@ __device__ __forceinline__ void sv_finish(const sv_ctx<D>& x, int b, int n, floa
   const sv_i64 lo = sv_min64((sv_i64)threadIdx.x * per, count);
   const sv_i64 hi = sv_min64(lo + per, count);
   float run = 0.0f;
-  for (sv_i64 i = lo; i < hi; ++i) run += sv_residual_at<D, SIG>(x, prow, qrow, cstart + i, Lp, Lq, w);
+  for (sv_i64 i = lo; i < hi; ++i) run += sv_residual_at<D, SIG>(x, prow, qrow, cstart + i, Lp, Lq, Tp, Tq, w);
   float cum = sv_block_exclusive_scan(run, s_red);
   int first = SV_INT_MAX, lastp = -1;
   for (sv_i64 i = lo; i < hi; ++i) {
-    const float r = sv_residual_at<D, SIG>(x, prow, qrow, cstart + i, Lp, Lq, w);
+    const float r = sv_residual_at<D, SIG>(x, prow, qrow, cstart + i, Lp, Lq, Tp, Tq, w);
     cum += r;
     if (r > 0.0f) {
       if (first == SV_INT_MAX && cum > goal2) first = (int)i;
@@ -429,6 +519,90 @@ __device__ __forceinline__ void sv_finish(const sv_ctx<D>& x, int b, int n, floa
 // exact, launch 1: per-chunk (max, sum) of every row
 // ------------------------------------------------------------------------------------------------
 
+// Top-k candidates of one chunk (n columns from start): the chunk's k largest values of scale·x, in column
+// order of the larger ones, then copies of the chunk's k-th largest t_c; *extra = how many more columns
+// equal t_c than were listed. A chunk of n <= k columns lists them all and pads with -inf (extra 0).
+// The row's k-th largest is then the k-th largest of the union of its chunks' lists, and every column
+// >= it is either listed or one of the extras of a chunk whose t_c equals it. Call from all threads.
+template <class D>
+__device__ __forceinline__ void sv_chunk_topk(const typename D::T* row, float scale, sv_i64 start, sv_i64 n,
+                                              int k, float* list, int* extra) {
+  __shared__ unsigned int s_hist[256];
+  __shared__ int s_misc[3];
+  __shared__ float s_scan[SV_WARPS];
+  sv_logit_keys<D> keys;
+  keys.row = row + start;
+  keys.scale = scale;
+  const bool all = n <= (sv_i64)k;  // block-uniform
+  unsigned int tkey = 0u;
+  int gt = (int)n, eq = 0;
+  if (!all) tkey = sv_select(keys, n, k, s_hist, s_misc, &gt, &eq);
+  // Deterministic compaction: thread t lists the qualifying columns of its contiguous run, in order,
+  // after those of threads < t (an exclusive scan of the counts), so every run writes the same list.
+  const sv_i64 per = (n + SV_THREADS - 1) / SV_THREADS;
+  const sv_i64 lo = sv_min64((sv_i64)threadIdx.x * per, n);
+  const sv_i64 hi = sv_min64(lo + per, n);
+  int count = 0;
+  for (sv_i64 i = lo; i < hi; ++i) count += (all || keys(i) > tkey) ? 1 : 0;
+  int at = (int)sv_block_exclusive_scan((float)count, s_scan);  // counts < 2^24: exact in fp32
+  for (sv_i64 i = lo; i < hi; ++i) {
+    const unsigned int key = keys(i);
+    if (all || key > tkey) list[at++] = sv_unkey(key);
+  }
+  const float fill = all ? sv_neg_inf() : sv_unkey(tkey);
+  for (int i = gt + threadIdx.x; i < k; i += SV_THREADS) list[i] = fill;
+  if (threadIdx.x == 0) *extra = all ? 0 : eq - (k - gt);
+}
+
+// Block-wide max (NaN ignored, as fmaxf does); every thread gets it. sh: SV_WARPS floats.
+__device__ __forceinline__ float sv_block_max(float v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(SV_FULL, v, off));
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  v = sh[0];
+  for (int w = 1; w < SV_WARPS; ++w) v = fmaxf(v, sh[w]);
+  __syncthreads();
+  return v;
+}
+
+// One top-k row from its K1 chunk lists (list [K1·k], extra [K1], written by other blocks: read through
+// volatile after the caller's fence): the threshold kth = the k-th largest candidate (= the row's k-th
+// largest value) and the log-normalizer of the kept columns (value >= kth, ties included, as torch's
+// `z < kth` mask keeps them), stored as rowstat[0..1]. Call from all threads.
+__device__ __forceinline__ void sv_topk_row(const float* list_, const int* extra_, int K1, int k, float* rowstat) {
+  __shared__ unsigned int s_hist[256];
+  __shared__ int s_misc[3];
+  __shared__ float s_red[2 * SV_WARPS];
+  const volatile float* list = list_;
+  const volatile int* extra = extra_;
+  const sv_i64 n = (sv_i64)K1 * k;
+  sv_value_keys keys;
+  keys.v = list_;
+  int gt, eq;
+  const float kth = sv_unkey(sv_select(keys, n, k, s_hist, s_misc, &gt, &eq));
+  float m = sv_neg_inf();
+  for (sv_i64 i = threadIdx.x; i < n; i += SV_THREADS) m = fmaxf(m, list[i]);
+  m = sv_block_max(m, s_red);
+  float sum = 0.0f, unused = 0.0f;
+  if (m != sv_neg_inf() && m != sv_pos_inf()) {  // block-uniform; such rows raise (the flags of launch 2)
+    for (sv_i64 i = threadIdx.x; i < n; i += SV_THREADS) {
+      const float v = list[i];
+      if (v >= kth) sum += expf(v - m);
+    }
+    for (int ch = threadIdx.x; ch < K1; ch += SV_THREADS) {
+      const int e = extra[ch];
+      if (e > 0 && list[(sv_i64)ch * k + k - 1] == kth) sum += (float)e * expf(kth - m);
+    }
+  }
+  sv_block_sum2(sum, unused, s_red);
+  if (threadIdx.x == 0) {
+    rowstat[0] = kth;
+    rowstat[1] = m + logf(sum);
+  }
+}
+
 __device__ __forceinline__ void sv_online(float xv, float scale, float& m, float& s, int& bad) {
   if (xv != xv) {
     bad |= SV_NAN;
@@ -451,8 +625,10 @@ template <class D>
 __device__ __forceinline__ void sv_exact_stats(const typename D::T* zp, sv_i64 p_sb, sv_i64 p_sr,
                                                const typename D::T* zq, sv_i64 q_sb, sv_i64 q_sr,
                                                int gamma, sv_i64 V, float scale, sv_i64 chunk1,
-                                               float* partials) {
+                                               float* partials, int topk, float* cand, int* cextra,
+                                               float* rowstat, unsigned int* tickets) {
   __shared__ float sh_m[SV_WARPS], sh_s[SV_WARPS];
+  __shared__ int s_last;
   const int c = blockIdx.x, r = blockIdx.y, b = blockIdx.z;
   const int K1 = gridDim.x, R = gridDim.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -489,6 +665,20 @@ __device__ __forceinline__ void sv_exact_stats(const typename D::T* zp, sv_i64 p
       out[1] = ss;
     }
   }
+  if (topk <= 0) return;  // block-uniform (the same topk in every block)
+  const sv_i64 br = (sv_i64)b * R + r;
+  sv_chunk_topk<D>(row, scale, start, end - start, topk, cand + (br * K1 + c) * topk, cextra + br * K1 + c);
+  __threadfence();  // this thread's list entries are visible device-wide before the ticket is taken
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int ticket = atomicAdd(&tickets[br], 1u);
+    s_last = ticket == (unsigned int)K1 - 1u;
+  }
+  __syncthreads();
+  if (!s_last) return;  // block-uniform: the last block of row (b, r) merges its K1 lists
+  if (threadIdx.x == 0) tickets[br] = 0u;  // every block of the row has taken its ticket: reset
+  __threadfence();
+  sv_topk_row(cand + br * K1 * topk, cextra + br * K1, K1, topk, rowstat + br * 2);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -498,8 +688,8 @@ __device__ __forceinline__ void sv_exact_stats(const typename D::T* zp, sv_i64 p
 template <class D>
 __device__ __forceinline__ void sv_exact_resample(const sv_ctx<D>& x, sv_i64 chunk2, int K1,
                                                   const float* partials, float* masses,
-                                                  unsigned int* counters) {
-  __shared__ float s_L[SV_MAX_ROWS];
+                                                  unsigned int* counters, int topk, const float* rowstat) {
+  __shared__ float s_L[SV_MAX_ROWS], s_T[SV_MAX_ROWS];
   __shared__ int s_flag[SV_MAX_ROWS];
   __shared__ float s_red[2 * SV_WARPS];
   __shared__ int s_first, s_badtok, s_last;
@@ -530,23 +720,33 @@ __device__ __forceinline__ void sv_exact_resample(const sv_ctx<D>& x, sv_i64 chu
     bits = sv_warp_or(bits);
     if (lane == 0) {
       if (bits == 0 && m == sv_neg_inf()) bits = SV_ONLY_NEGINF;
-      s_L[r] = m + logf(s);
+      s_L[r] = m + logf(s);  // top-k rows: replaced below by launch 1's normalizer of the kept values
+      s_T[r] = sv_neg_inf();
       s_flag[r] = bits;
     }
   }
   __syncthreads();
+  if (topk > 0) {  // thresholds and normalizers of the top-k rows, merged by launch 1
+    for (int r = threadIdx.x; r < R; r += SV_THREADS) {
+      const float* rs = rowstat + ((sv_i64)b * R + r) * 2;
+      s_T[r] = rs[0];
+      if (s_flag[r] == 0) s_L[r] = rs[1];
+    }
+    __syncthreads();
+  }
 
-  sv_accept<D, false>(x, b, s_L, c == 0, &s_first, &s_badtok);
+  sv_accept<D, false>(x, b, s_L, topk > 0 ? s_T : (const float*)0, c == 0, &s_first, &s_badtok);
   __syncthreads();
   const int n = s_first;
   const int qn = n < gamma ? n : gamma - 1;
   const float w = n < gamma ? x.lenience : 0.0f;
   const float Lp = s_L[n], Lq = s_L[gamma + 1 + qn];
+  const float Tp = s_T[n], Tq = s_T[gamma + 1 + qn];
 
   float rsum = 0.0f, psum = 0.0f;
   const sv_i64 start = (sv_i64)c * chunk2;
   sv_chunk_mass<D, false>(x, x.prow(b, n), x.qrow(b, qn), start, sv_min64(start + chunk2, x.V), Lp, Lq,
-                          w, rsum, psum);
+                          Tp, Tq, w, rsum, psum);
   sv_block_sum2(rsum, psum, s_red);
 
   float* mb = masses + (sv_i64)b * K2 * 2;
@@ -561,7 +761,7 @@ __device__ __forceinline__ void sv_exact_resample(const sv_ctx<D>& x, sv_i64 chu
   if (!s_last) return;  // block-uniform: the whole block leaves, or none of it
   if (threadIdx.x == 0) counters[b] = 0u;  // every block of batch b has taken its ticket: reset
   __threadfence();
-  sv_finish<D, false>(x, b, n, Lp, Lq, s_flag, mb, K2, chunk2, s_badtok, s_red);
+  sv_finish<D, false>(x, b, n, Lp, Lq, Tp, Tq, s_flag, mb, K2, chunk2, s_badtok, s_red);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -582,7 +782,7 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
     s_badtok = gamma;
   }
   __syncthreads();
-  sv_accept<D, true>(x, b, (const float*)0, c == 0 && r == 0, &s_first, &s_badtok);
+  sv_accept<D, true>(x, b, (const float*)0, (const float*)0, c == 0 && r == 0, &s_first, &s_badtok);
   __syncthreads();
   const int n = s_first;
   const int qn = n < gamma ? n : gamma - 1;
@@ -615,9 +815,9 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
       }
       const sv_i64 col = i + (sv_i64)k * SV_THREADS;
       if (role && col < end) {
-        const float p = sv_prob<true>(xv, x.scale, 0.0f, x.alpha, x.inv_den);
+        const float p = sv_prob<true>(xv, x.scale, 0.0f, x.alpha, x.inv_den, sv_neg_inf());
         float wq = 0.0f;
-        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<true>(D::load(qrow, col), x.scale, 0.0f, x.alpha, x.inv_den));
+        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<true>(D::load(qrow, col), x.scale, 0.0f, x.alpha, x.inv_den, sv_neg_inf()));
         rsum += fmaxf(__fsub_rn(p, wq), 0.0f);
         psum += p;
       }
@@ -654,7 +854,7 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
     s_flag[rr] = flag;
   }
   __syncthreads();
-  sv_finish<D, true>(x, b, n, 0.0f, 0.0f, s_flag, mb, K2, chunk2, s_badtok, s_red);
+  sv_finish<D, true>(x, b, n, 0.0f, 0.0f, sv_neg_inf(), sv_neg_inf(), s_flag, mb, K2, chunk2, s_badtok, s_red);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -690,14 +890,16 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
 #define SV_ENTRY_POINTS(SUFFIX, DT)                                                                \
   extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_exact_stats_##SUFFIX(                \
       const DT::T* zp, sv_i64 p_sb, sv_i64 p_sr, const DT::T* zq, sv_i64 q_sb, sv_i64 q_sr,        \
-      int gamma, sv_i64 V, float scale, sv_i64 chunk1, float* partials) {                          \
-    sv_exact_stats<DT>(zp, p_sb, p_sr, zq, q_sb, q_sr, gamma, V, scale, chunk1, partials);         \
+      int gamma, sv_i64 V, float scale, sv_i64 chunk1, float* partials, int topk, float* cand,      \
+      int* cextra, float* rowstat, unsigned int* tickets) {                                        \
+    sv_exact_stats<DT>(zp, p_sb, p_sr, zq, q_sb, q_sr, gamma, V, scale, chunk1, partials, topk,    \
+                       cand, cextra, rowstat, tickets);                                            \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_exact_resample_##SUFFIX(             \
       SV_CTX_PARAMS, sv_i64 chunk2, int K1, const float* partials, float* masses,                  \
-      unsigned int* counters) {                                                                    \
+      unsigned int* counters, int topk, const float* rowstat) {                                   \
     SV_FILL_CTX(DT)                                                                                \
-    sv_exact_resample<DT>(x, chunk2, K1, partials, masses, counters);                              \
+    sv_exact_resample<DT>(x, chunk2, K1, partials, masses, counters, topk, rowstat);               \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_sigmoid_##SUFFIX(                    \
       SV_CTX_PARAMS, sv_i64 chunk2, float* masses, int* rowflags, unsigned int* counters) {        \

@@ -44,42 +44,61 @@ def speech_draft_layers(pair, clips: list[tuple[str, np.ndarray]], layer_sets: l
     return rows
 
 
-def _time_call(fn: Callable[[], object], device: "torch.device", warmup: int, iters: int) -> float:
-    """Median microseconds per call: CUDA events on a GPU, perf_counter on the CPU; warm-up excluded."""
+def _median_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median wall microseconds per call (perf_counter); `fn` must leave nothing pending that it owns."""
     import time
-
-    import torch
 
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def _median_gpu_us(run: Callable[[tuple], object], warmup: int, iters: int) -> float:
+    """Median GPU microseconds between two CUDA events that `run((start, end))` records around its kernels."""
+    import torch
+
+    for _ in range(warmup):
+        run((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+    samples = []
+    for _ in range(iters):
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        run(events)
+        events[1].synchronize()
+        samples.append(events[0].elapsed_time(events[1]) * 1e3)
     return statistics.median(samples)
 
 
 def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000), gammas=(1, 5, 10, 20),
-                      batches=(1, 8), dtypes=("fp16", "fp32"), warmup: int = 10, iters: int = 50,
+                      batches=(1, 8), dtypes=("fp16", "fp32"), warmup: int = 10, iters: int = 50, top_k: int = 0,
                       on_case: Callable[[dict], None] | None = None) -> list[dict]:
-    """µs per verification call for each mode and path (torch; CuPy kernels where they run), with the byte
-    floor (γ+1)·V·s + γ·V·s and the bandwidth that time implies."""
+    """µs per verification for each mode and path (torch; the CuPy kernels where they run).
+
+    Every timing is the wall time until the results are on the host (`verify(...).host()`), which is what
+    the engine waits for. Per row:
+    - call_us: that wall time (kernel path: its input checks on, i.e. the one readback that raises on bad
+      logits / tokens; torch path: its own checks and syncs included);
+    - nocheck_us (kernel path): the kernels alone with check=False (no readback, no errors) until the
+      stream is idle, uniforms drawn beforehand;
+    - gpu_us (kernel path): CUDA events right around the kernel launches: GPU time only;
+    - host_us (kernel path): call_us - gpu_us, the host's share (Python, launches, uniforms, readback);
+    - speedup: the baseline's call_us over this row's (same V, B, γ, dtype);
+    - floor_bytes = (2γ+1)·V·B·s and achieved_GBps = floor / gpu_us (call_us where there is no gpu_us).
+    top_k > 0 adds top-k to the sampling (temperature 1): in-kernel top-k for exact on the kernel path.
+    """
     import torch
 
     from .config import SamplingConfig
-    from .verify import kernels_active, verify
+    from .verify import kernel_sampling, kernels_active, project_kernels, verify
 
-    sampling = SamplingConfig(temperature=1.0)
-    backends = ["torch"] + (["cuda"] if device.type == "cuda" and kernels_active() else [])
+    sampling = SamplingConfig(temperature=1.0, top_k=top_k)
+    kernels_on = device.type == "cuda" and kernels_active()
+    backends = ["torch"] + (["cuda"] if kernels_on else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for V in vocabs:
         for B in batches:
@@ -91,19 +110,58 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
                     draft = (target[:, :gamma].float() + torch.randn(B, gamma, V, device=device, generator=g)).to(dtype)
                     tokens = torch.randint(0, V, (B, gamma), device=device, generator=g)
                     floor = (2 * gamma + 1) * V * B * target.element_size()
+                    baseline_us = None
                     for mode in ("baseline", "exact", "sigmoid"):
                         for backend in backends:
                             if mode == "baseline" and backend == "cuda":
                                 continue
-                            us = _time_call(lambda: verify(mode, tokens, draft, target, sampling, g, backend=backend),
-                                            device, warmup, iters)
-                            row = {"V": V, "B": B, "gamma": gamma, "dtype": dt, "mode": mode,
-                                   "path": "kernel" if backend == "cuda" else "torch", "median_us": us,
-                                   "floor_bytes": floor, "achieved_GBps": floor / us / 1e3}
+
+                            def call():
+                                verify(mode, tokens, draft, target, sampling, g, backend=backend).host()
+
+                            sync()
+                            row = {"V": V, "B": B, "gamma": gamma, "dtype": dt, "top_k": top_k, "mode": mode,
+                                   "path": "kernel" if backend == "cuda" else "torch",
+                                   "call_us": _median_us(call, warmup, iters), "nocheck_us": None, "gpu_us": None,
+                                   "host_us": None, "floor_bytes": floor}
+                            if backend == "cuda":
+                                row.update(_kernel_split(project_kernels(), mode, sampling, tokens, draft, target,
+                                                         g, warmup, iters, kernel_sampling))
+                                row["host_us"] = row["call_us"] - row["gpu_us"]
+                            if mode == "baseline":
+                                baseline_us = row["call_us"]
+                            row["speedup"] = baseline_us / row["call_us"] if baseline_us else None
+                            row["achieved_GBps"] = floor / (row["gpu_us"] or row["call_us"]) / 1e3
                             rows.append(row)
                             if on_case:
                                 on_case(row)
     return rows
+
+
+def _kernel_split(kernels, mode, sampling, tokens, draft, target, g, warmup, iters, kernel_sampling) -> dict:
+    """The kernel path without its readback (check=False, then a stream sync), and its GPU time alone."""
+    import torch
+
+    from .sampling import standardize
+
+    B, gamma = tokens.shape
+    u = torch.rand((B, gamma), generator=g, device=target.device)
+    u_res = torch.rand((B,), generator=g, device=target.device)
+    how, scale, topk = kernel_sampling(mode, sampling, target.shape[-1])
+    if how == "standardize":
+        draft, target = standardize(draft, sampling), standardize(target, sampling)
+    opts = dict(scale=scale, topk=topk, sigmoid_alpha=-1e4, sigmoid_beta=1e4)
+    stream = torch.cuda.current_stream()
+
+    def nocheck():
+        kernels.launch(mode, tokens, draft, target, u, u_res, check=False, **opts)
+        stream.synchronize()
+
+    return {
+        "nocheck_us": _median_us(nocheck, warmup, iters),
+        "gpu_us": _median_gpu_us(lambda ev: kernels.launch(mode, tokens, draft, target, u, u_res, check=False,
+                                                           events=ev, **opts), warmup, iters),
+    }
 
 
 def _batch_metrics(trace: Trace) -> dict:

@@ -1,32 +1,52 @@
 """Tests of the CUDA verification kernels: kernels/verify.cu and its CuPy wrapper kernels/__init__.py.
 
-Everywhere (no GPU needed):
+What the CPU emulation (below; built with g++, no GPU) checks, and what it cannot:
+- It runs the real verify.cu source on CPU tensors, one block at a time in a shuffled order, each CUDA
+  thread a fiber. It checks: the decisions against `verify_tiled` (same n, same next token or a certified
+  near-tie, same p(x), q(x), ratios); barrier uniformity (every __syncthreads / __syncthreads_or reached
+  by all threads of the block at the same source line, none after an exit); warp primitives reached by
+  all 32 lanes at the same line; that any block can be the last one of its row (shuffled order, the
+  ticket logic); that the kernels leave their state zeroed; the argument lists against the kernels'
+  parameter sizes; the documented errors; in-kernel top-k against `standardize`, ties included.
+- It cannot check: blocks running concurrently (it runs them one after another, so races between blocks,
+  the atomic tickets under contention and the __threadfence / volatile memory ordering are not
+  exercised); CUDA's own expf / logf (the emulator uses the host libm, so bitwise agreement with torch's
+  CUDA exp is untested); timing, occupancy, register use; CuPy's argument packing and NVRTC itself.
+  Those need the GPU tests.
+
+Everywhere (no GPU needed), besides the emulation:
 - every .cu file compiles (nvcc for sm_90 with warnings as errors; else CuPy's NVRTC), and with NVRTC too
   where CuPy is installed (the path `available()` takes at run time);
 - `import kernels` works without CuPy, and `available()` is False without a GPU, without raising;
-- the planner sizes grids to fill the GPU and handles chunk sizes that do not divide V;
-- the kernels themselves run on the CPU under a small fiber-based CUDA emulator (built with g++ from the
-  source below): they must decide as `verify_tiled` does on small cases of every kind, leave their state
-  zeroed, raise the documented errors, and every __syncthreads / warp primitive must be reached by the
-  whole block / warp at the same source line (the emulator fails the run otherwise).
+- the planner sizes grids to fill the GPU, handles chunk sizes that do not divide V, and caches one plan
+  per (shapes, dtypes, strides, settings), patching only pointers;
+- `VerifyResult.host()` on the torch path, and the token-range check that the kernel path leaves to the
+  kernels.
 
-On a GPU (marker `gpu`, skipped without CUDA; needs CuPy):
+On a GPU (marker `gpu`; skipped only where torch sees no CUDA device; where it does, missing CuPy or an
+NVRTC failure FAILS these tests, so a green GPU run means the kernels ran; install requirements-gpu.txt):
 - agreement with `specviz.verify.tiled.verify_tiled` on the same CUDA tensors and uniforms, for
-  V ∈ {7, 51865, 151936, 256000}, B ∈ {1, 8}, γ ∈ {1, 5, 20}, fp32/fp16/bf16, exact and sigmoid;
+  V ∈ {7, 51865, 151936, 256000}, B ∈ {1, 8}, γ ∈ {1, 5, 20}, fp32/fp16/bf16, exact and sigmoid, and
+  in-kernel top-k against `standardize`;
+- every kernel pick against a float64 inverse-CDF pick from the same uniform (`pick_is_certified`);
 - the first emitted token follows p (chi-square at the sample size that detects TV 1%);
 - NaN / +inf / all -inf logits and out-of-range drafted tokens raise errors naming the row;
-- determinism, state reuse across shapes, expanded inputs, side streams, check=False / host=True.
+- determinism, state reuse across shapes, expanded inputs, side streams, check=False / host=True;
+- stress: hundreds of back-to-back launches with varying B, γ, V and chunk counts without a sync in
+  between, and a producer on a side stream; `verify()` makes no sync torch can see besides its readback.
 
-Rounding. The kernels compute every probability with torch's own fp32 operations, so p(x), q(x) and the
+Rounding. The kernels compute every probability with torch's fp32 operations, so p(x), q(x) and the
 ratios agree to the normalizer's last bits, but sums run in another order. A decision can therefore differ
 where the torch path itself is within float32 noise of a boundary: a uniform within ~1e-6 of a ratio, or a
-residual draw whose goal u·total lies within ~1e-6 of a token's CDF edge. With V = 151,936-256,000 and
-every token live, tokens carry ~1e-6 of the mass each, so such draws are not rare: a CPU model of both
-summation orders disagrees on ~0.5% of those rows (and the torch path's fp32 result disagrees with a
-float64 computation on ~0.3%). Every disagreement must therefore be *certified* as a near-tie in float64
-(`near_tie_token`, tolerance 1e-5 of probability mass, the tolerance tests/test_verify_statistics.py uses
-for the same reason), and agreement must reach 99.9% of rows where logits have a sparse support (rounding
-can then only matter for ~1e-4 of rows) and 99% where all V tokens are live.
+residual draw whose goal u·total lies within float32 noise of a token's CDF edge. Each kernel pick is
+compared with the float64 inverse-CDF pick from the same uniform: they must be the same token, or the
+goal must lie within `pick_tolerance` of the kernel token's float64 interval: a quarter of that token's
+own mass, but never less than PICK_FLOOR = 1e-6 of the total (about 8 ulps of a float32 CDF value near
+1; a CPU model of the kernels' float32 summation order at V = 151,936 puts the largest CDF error at
+2.5e-7, so the floor leaves a 4x margin, uncalibrated on hardware; much less than the 1e-5 of mass the
+earlier check allowed, which exceeds most tokens' mass at V = 151,936). Torch-vs-kernel next-token mismatches are certified the same
+way for both picks, and agreement must reach 99.9% of rows where logits have a sparse support and 99%
+where all V tokens are live.
 """
 
 from __future__ import annotations
@@ -48,10 +68,12 @@ from specviz.verify import project_kernels
 kernels = project_kernels()  # the project's own kernels/ (a PyPI package is also named `kernels`)
 from specviz.config import SamplingConfig
 from specviz.sampling import InvalidLogitsError, standardize
+from specviz.verify import kernel_sampling
 from specviz.verify.tiled import verify_tiled
 
 REPO = Path(__file__).resolve().parents[1]
-TIE_TOLERANCE = 1e-5  # probability mass (relative to the residual's total) within which a draw is a near-tie
+PICK_FLOOR = 1e-6  # of the residual's total: the least distance a float32 pick may miss its float64 interval by
+PICK_REL = 0.25  # ... or this fraction of the smaller of the two tokens' masses, where that is more
 RATIO_TOLERANCE = 1e-5  # relative distance of a uniform from the ratio within which a decision is a near-tie
 
 
@@ -91,24 +113,60 @@ def _probs64(mode: str, z: torch.Tensor, scale: float, alpha: float, beta: float
     return torch.softmax(z, dim=-1)
 
 
-def near_tie_token(mode, zp_row, zq_row, n, gamma, scale, lenience, alpha, beta, u_res, tokens) -> bool:
-    """True when every token in `tokens` is within TIE_TOLERANCE of the goal u_res·total on the float64 CDF of
-    the residual the row samples (max(0, p_n - w·q_n), w = l on a rejection, 0 for the bonus; p_n alone when
-    that residual is empty): the row is a near-tie, and float32 rounding may decide it either way."""
+def residual64(mode, zp_row, zq_row, n, gamma, scale, lenience, alpha, beta) -> torch.Tensor:
+    """The float64 residual row n samples: max(0, p_n - w·q_n) (w = l on a rejection, 0 for the bonus), or
+    p_n alone when that residual is empty, as tiled.py falls back."""
     p = _probs64(mode, zp_row, scale, alpha, beta)
     q = _probs64(mode, zq_row, scale, alpha, beta)
     w = lenience if n < gamma else 0.0
     r = torch.clamp(p - w * q, min=0)
     if float(r.sum()) <= 1e-9 * float(p.sum()):
         r = p
-    cdf = torch.cumsum(r, 0) / r.sum()
-    goal = float(u_res)
-    for t in tokens:
-        lo = float(cdf[t - 1]) if t > 0 else 0.0
-        hi = float(cdf[t])
-        if max(lo - goal, goal - hi, 0.0) > TIE_TOLERANCE:
-            return False
-    return True
+    return r / r.sum()
+
+
+def pick64(r: torch.Tensor, u_res: float) -> int:
+    """Inverse-CDF pick on a normalized float64 residual r [V]: tiled.py's _scan_pick in float64."""
+    cdf = torch.cumsum(r, 0)
+    idx = int(torch.searchsorted(cdf, torch.tensor([float(u_res)], dtype=torch.float64, device=r.device), right=True))
+    return min(idx, int(torch.nonzero(r > 0).max()))
+
+
+def pick_tolerance(r: torch.Tensor, a: int, b: int) -> float:
+    """How far (in normalized mass) a float32 goal may sit from token a's float64 interval when the float64
+    pick is b: a quarter of the smaller token's mass, never below PICK_FLOOR (float32 summation noise)."""
+    return max(PICK_REL * min(float(r[a]), float(r[b])), PICK_FLOOR)
+
+
+def miss_distance(r: torch.Tensor, token: int, u_res: float) -> float:
+    """Distance of the goal u_res from token's interval on the float64 CDF of r (0 when inside)."""
+    cdf = torch.cumsum(r, 0)
+    lo = float(cdf[token - 1]) if token > 0 else 0.0
+    hi = float(cdf[token])
+    return max(lo - float(u_res), float(u_res) - hi, 0.0)
+
+
+def pick_is_certified(mode, zp_row, zq_row, n, gamma, scale, lenience, alpha, beta, u_res, token) -> str | None:
+    """None when `token` (a float32 pick) is the float64 inverse-CDF pick from the same uniform, or misses it
+    by at most pick_tolerance; else a description of the miss."""
+    r = residual64(mode, zp_row, zq_row, n, gamma, scale, lenience, alpha, beta)
+    ref = pick64(r, u_res)
+    if token == ref:
+        return None
+    if not 0 <= token < r.numel() or float(r[token]) <= 0:
+        return f"token {token} has no residual mass (float64 pick {ref})"
+    d, tol = miss_distance(r, token, u_res), pick_tolerance(r, token, ref)
+    if d <= tol:
+        return None
+    return (f"token {token} (mass {float(r[token]):.3g}) vs float64 pick {ref} (mass {float(r[ref]):.3g}): the goal "
+            f"misses its interval by {d:.3g} > {tol:.3g}")
+
+
+def near_tie_token(mode, zp_row, zq_row, n, gamma, scale, lenience, alpha, beta, u_res, tokens) -> bool:
+    """True when every token in `tokens` is certified against the float64 pick (`pick_is_certified`): the row
+    is a near-tie that float32 rounding may decide either way."""
+    return all(pick_is_certified(mode, zp_row, zq_row, n, gamma, scale, lenience, alpha, beta, u_res, t) is None
+               for t in tokens)
 
 
 def compare_rows(mode, out, ref, tokens, dl, tl, u, u_res, scale, lenience, alpha, beta):
@@ -136,12 +194,17 @@ def compare_rows(mode, out, ref, tokens, dl, tl, u, u_res, scale, lenience, alph
                 problems.append(f"row {b}: n {n_k[b]} vs torch {n_t[b]} (u={uj:.9g}, ratio={r:.9g}: not a near-tie)")
             continue
         compared += 1
+        n, qn = n_k[b], min(n_k[b], gamma - 1)
+        # every kernel pick against the float64 pick from the same uniform, not only where torch differs
+        miss = pick_is_certified(mode, tl[b, n], dl[b, qn], n, gamma, scale, lenience, alpha, beta, u_res[b], tok_k[b])
+        if miss:
+            problems.append(f"row {b} (n={n}): kernel {miss}")
         if tok_k[b] != tok_t[b]:
             mismatches += 1
-            n, qn = n_k[b], min(n_k[b], gamma - 1)
-            if not near_tie_token(mode, tl[b, n], dl[b, qn], n, gamma, scale, lenience, alpha, beta,
-                                  u_res[b], (tok_k[b], tok_t[b])):
-                problems.append(f"row {b}: next_token {tok_k[b]} vs torch {tok_t[b]} (n={n}): not a near-tie")
+            miss = pick_is_certified(mode, tl[b, n], dl[b, qn], n, gamma, scale, lenience, alpha, beta, u_res[b],
+                                     tok_t[b])
+            if miss:
+                problems.append(f"row {b}: next_token {tok_k[b]} vs torch {tok_t[b]} (n={n}): torch {miss}")
     return mismatches, compared, problems
 
 
@@ -186,9 +249,13 @@ def test_cuda_sources_compile():
         pytest.skip("neither nvcc nor CuPy's NVRTC is available on this machine")
 
 
-@pytest.mark.skipif(not _nvrtc_available(), reason="CuPy (with NVRTC) is not installed")
 def test_cuda_sources_compile_with_nvrtc():
-    """NVRTC has no implicit CUDA headers: this is the compile `available()` does at run time."""
+    """NVRTC has no implicit CUDA headers: this is the compile `available()` does at run time. Where torch
+    sees a CUDA device, a missing CuPy fails this test instead of skipping it."""
+    if not _nvrtc_available():
+        if torch.cuda.is_available():
+            pytest.fail("a CUDA device is present but CuPy's NVRTC is not importable: pip install -r requirements-gpu.txt")
+        pytest.skip("CuPy (with NVRTC) is not installed")
     kernels.nvrtc_check()
 
 
@@ -262,7 +329,7 @@ def test_prepare_grids_and_buffers():
     (n1, g1, a1), (n2, g2, a2) = prep.launches
     assert (n1, g1) == ("sv_exact_stats_f32", (4, 9, 3))  # ceil(1000/300) chunks × (2γ+1) rows × B
     assert (n2, g2) == ("sv_exact_resample_f32", (4, 3, 1))  # ceil(1000/333) chunks × B
-    assert len(a1) == 11 and len(a2) == 23
+    assert len(a1) == 16 and len(a2) == 25
     prep = kernels._prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
                             sigmoid_alpha=-1.0, sigmoid_beta=1.0, state=state, sms=132, residual_chunk=999)
     ((name, grid, args),) = prep.launches
@@ -277,6 +344,90 @@ def test_prepare_grids_and_buffers():
         kernels._prepare("baseline", tokens, dl, tl, u, ur, **bad)
     with pytest.raises(ValueError, match="target_logits must be"):
         kernels._prepare("exact", tokens, dl, tl[:, :3], u, ur, **bad)
+    with pytest.raises(ValueError, match="in-kernel top-k"):
+        kernels._prepare("sigmoid", tokens, dl, tl, u, ur, **bad, topk=5)
+
+
+def test_plan_is_cached_and_only_pointers_change():
+    """One plan per (shapes, dtypes, strides, settings): a second call with other tensors of the same layout
+    reuses it and differs from the first only in the pointer arguments."""
+    kernels._plans.clear()
+    state = torch.zeros(kernels.state_size(3, 4), dtype=torch.int32)
+    opts = dict(scale=1.0, lenience=1.0, sigmoid_alpha=-1e4, sigmoid_beta=1e4, state=state, sms=132)
+    a = _cpu_case(B=3, gamma=4, V=1000, seed=1)
+    b = _cpu_case(B=3, gamma=4, V=1000, seed=2)
+    pa = kernels._prepare("exact", *a, **opts, topk=10)
+    plan = next(iter(kernels._plans.values()))
+    pb = kernels._prepare("exact", *b, **opts, topk=10)
+    assert len(kernels._plans) == 1 and next(iter(kernels._plans.values())) is plan
+    for (na, ga, xa), (nb, gb, xb), (_, _, _, slots) in zip(pa.launches, pb.launches, plan.launches):
+        assert (na, ga) == (nb, gb)
+        pointer_args = {i for i, _, _ in slots}
+        for i, (va, vb) in enumerate(zip(xa, xb)):
+            if i not in pointer_args:
+                assert type(va) is type(vb) and va == vb, (na, i)
+        assert xa[0] == a[2].data_ptr() and xb[0] == b[2].data_ptr()  # target logits
+    kernels._prepare("exact", *a, **{**opts, "lenience": 0.5}, topk=10)  # another setting: another plan
+    kernels._prepare("exact", a[0], a[1], a[2].transpose(0, 1).contiguous().transpose(0, 1), *a[3:], **opts, topk=10)
+    assert len(kernels._plans) == 3
+
+
+def test_host_lists_match_views():
+    raw = torch.arange(7 * 2 * 8 + 16 * 2 * 3, dtype=torch.uint8)
+    views, lists = kernels._views(raw, 2, 3), kernels.host_lists(raw.numpy(), 2, 3)
+    assert sorted(views) == sorted(lists)
+    for k in views:
+        assert views[k].tolist() == lists[k], k
+
+
+def test_sigmoid_and_topk_factors_are_torch_cuda_reciprocals():
+    """torch on CUDA turns `t / s` (s a Python float) into t · (1.0f / float(s)): fp32 reciprocal of fp32(s)."""
+    for a, b in ((-1e4, 1e4), (-8.0, 8.0), (-3.0, 7.0), (-1e3, 1e3)):
+        assert kernels.sigmoid_inv_den(a, b) == np.float32(1) / np.float32(b - a)
+        assert kernels.sigmoid_inv_den(a, b).dtype == np.float32
+    assert kernels.topk_scale(0.7) == np.float32(1) / np.float32(0.7)
+    assert kernels.topk_scale(1.1) != np.float32(1 / 1.1)  # the two roundings differ here: the choice matters
+
+
+def test_verify_result_host_on_torch_path():
+    """host(): one stacked readback on the torch path, equal to the tensors; emitted() uses it."""
+    from specviz.verify import VerifyHost, verify
+
+    tokens, dl, tl, _, _ = _cpu_case(B=3, gamma=4, V=300, seed=4)
+    for mode in ("baseline", "exact", "sigmoid"):
+        res = verify(mode, tokens, dl, tl, SamplingConfig(temperature=0.9), torch.Generator().manual_seed(0),
+                     sigmoid_alpha=-5.0, sigmoid_beta=5.0)
+        h = res.host()
+        assert isinstance(h, VerifyHost) and res.host() is h
+        assert h.n_accepted == res.n_accepted.tolist() and h.next_token == res.next_token.tolist()
+        for k in ("accept_prob", "uniforms", "p_draft", "q_draft"):
+            assert getattr(h, k) == getattr(res, k).float().tolist(), (mode, k)
+        n = h.n_accepted[1]
+        assert res.emitted(tokens, 1) == tokens[1, :n].tolist() + [h.next_token[1]]
+
+
+def test_token_range_still_checked_on_torch_path():
+    from specviz.verify import verify
+
+    tokens, dl, tl, _, _ = _cpu_case(B=2, gamma=2, V=50)
+    for bad in (-1, 50):
+        t = tokens.clone()
+        t[1, 1] = bad
+        with pytest.raises(ValueError, match=r"draft_tokens must lie in \[0, 50\)"):
+            verify("exact", t, dl, tl, SamplingConfig(temperature=1.0))
+
+
+def test_kernel_sampling_routes():
+    from specviz.verify import kernel_sampling
+
+    assert kernel_sampling("exact", SamplingConfig(temperature=0.5), 100) == ("scale", 2.0, 0)
+    how, scale, k = kernel_sampling("exact", SamplingConfig(temperature=0.7, top_k=20), 100)
+    assert (how, k) == ("topk", 20) and np.float32(scale) == kernels.topk_scale(0.7)
+    assert kernel_sampling("exact", SamplingConfig(temperature=1.0, top_k=20), 100) == ("topk", 1.0, 20)
+    assert kernel_sampling("exact", SamplingConfig(temperature=1.0, top_k=100), 100) == ("scale", 1.0, 0)  # k >= V
+    assert kernel_sampling("sigmoid", SamplingConfig(temperature=1.0, top_k=20), 100)[0] == "standardize"
+    assert kernel_sampling("exact", SamplingConfig(temperature=1.0, top_p=0.9), 100)[0] == "standardize"
+    assert kernel_sampling("exact", SamplingConfig(temperature=1.0, top_k=kernels.MAX_TOPK + 1), 10**6)[0] == "standardize"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -456,6 +607,7 @@ inline int atomicMax(int* p, int v) { int o = *p; if (v > o) *p = v; return o; }
 inline int atomicOr(int* p, int v) { int o = *p; *p = o | v; return o; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
@@ -526,13 +678,14 @@ def emulator(tmp_path_factory):
 
 
 def emulate(so, mode, tokens, dl, tl, u, u_res, *, scale=1.0, lenience=1.0, alpha=-1e4, beta=1e4,
-            stats_chunk=None, residual_chunk=None, sms=132, seed=0):
+            stats_chunk=None, residual_chunk=None, sms=132, seed=0, topk=0, state=None):
     """verify_cuda's steps with the launches run by the emulator on CPU tensors."""
     B, gamma = tokens.shape
-    state = torch.zeros(kernels.state_size(B, gamma) + 7, dtype=torch.int32)
+    if state is None:
+        state = torch.zeros(kernels.state_size(B, gamma) + 7, dtype=torch.int32)
     prep = kernels._prepare(mode, tokens, dl, tl, u, u_res, scale=scale, lenience=lenience, sigmoid_alpha=alpha,
                             sigmoid_beta=beta, state=state, sms=sms, stats_chunk=stats_chunk,
-                            residual_chunk=residual_chunk)
+                            residual_chunk=residual_chunk, topk=topk)
     for name, grid, args in prep.launches:
         arrays = [np.asarray(a) for a in args]
         bufs = [ctypes.create_string_buffer(a.tobytes(), a.nbytes) for a in arrays]
@@ -549,10 +702,10 @@ def emulate(so, mode, tokens, dl, tl, u, u_res, *, scale=1.0, lenience=1.0, alph
 
 def _emulated_case(label, mode="exact", B=2, gamma=3, V=7, dtype=torch.float32, sampling=SamplingConfig(temperature=1.0),
                    lenience=1.0, alpha=-1e4, beta=1e4, spread=2.0, noise=1.0, shift=0.0, live=None, expand=False,
-                   seed=0, **chunks):
+                   seed=0, ties=False, **chunks):
     return pytest.param(dict(mode=mode, B=B, gamma=gamma, V=V, dtype=dtype, sampling=sampling, lenience=lenience,
                              alpha=alpha, beta=beta, spread=spread, noise=noise, shift=shift, live=live,
-                             expand=expand, seed=seed, chunks=chunks), id=label)
+                             expand=expand, seed=seed, ties=ties, chunks=chunks), id=label)
 
 
 EMULATED_CASES = [
@@ -575,6 +728,23 @@ EMULATED_CASES = [
     _emulated_case("sigmoid-empty-residual", mode="sigmoid", B=3, V=300, alpha=-1.0, beta=1.0, spread=0.5, noise=0.0,
                    shift=6.0, residual_chunk=100),
     _emulated_case("sigmoid-default-alpha-beta", mode="sigmoid", V=500, residual_chunk=200),
+    # top-k inside the kernels (exact mode, no top-p): thresholds by radix select, ties with the k-th kept
+    _emulated_case("kernel-topk40-T0.8", V=400, sampling=SamplingConfig(temperature=0.8, top_k=40),
+                   stats_chunk=150, residual_chunk=128),
+    _emulated_case("kernel-topk1", B=3, gamma=2, V=333, sampling=SamplingConfig(temperature=1.0, top_k=1),
+                   stats_chunk=100, residual_chunk=64),
+    _emulated_case("kernel-topk-above-chunk", V=300, sampling=SamplingConfig(temperature=1.3, top_k=250),
+                   stats_chunk=128, residual_chunk=100),
+    _emulated_case("kernel-topk-ties-bf16", B=3, V=700, dtype=torch.bfloat16, ties=True,
+                   sampling=SamplingConfig(temperature=1.0, top_k=7), stats_chunk=64, residual_chunk=100),
+    _emulated_case("kernel-topk-ties-fp16-T1.1", V=1000, dtype=torch.float16, ties=True,
+                   sampling=SamplingConfig(temperature=1.1, top_k=50), stats_chunk=256, residual_chunk=300),
+    _emulated_case("kernel-topk-expanded-lenience", B=4, V=900, expand=True, lenience=0.7,
+                   sampling=SamplingConfig(temperature=0.9, top_k=30), stats_chunk=256, residual_chunk=300),
+    _emulated_case("kernel-topk-sparse", V=2000, live=25, sampling=SamplingConfig(temperature=1.0, top_k=40),
+                   stats_chunk=512, residual_chunk=512),
+    _emulated_case("kernel-topk-auto-chunks", gamma=5, V=3000, sampling=SamplingConfig(temperature=0.7, top_k=100),
+                   sms=2),
 ]
 
 
@@ -584,6 +754,8 @@ def _make_logits(c, device="cpu"):
     rows = 1 if c["expand"] else B
     tl = c["spread"] * torch.randn(rows, gamma + 1, V, generator=g, device=device)
     dl = tl[:, :gamma] + c["noise"] * torch.randn(rows, gamma, V, generator=g, device=device) + c["shift"]
+    if c.get("ties"):  # few distinct values: many columns tie with each row's k-th largest
+        tl, dl = tl.round(), dl.round()
     if c["live"]:
         keep = torch.rand(rows, 1, V, generator=g, device=device) < c["live"] / V
         keep[..., 0] = True
@@ -607,8 +779,13 @@ def test_emulated_kernels_match_torch_path(emulator, case):
     dk, tk, scale = kernel_inputs(sampling, dl, tl)
     chunks = dict(c["chunks"])
     sms = chunks.pop("sms", 132)
-    out = emulate(emulator, c["mode"], tokens, dk, tk, u, u_res, scale=scale, lenience=c["lenience"], alpha=c["alpha"],
-                  beta=c["beta"], sms=sms, seed=c["seed"], **chunks)
+    how, kscale, topk = kernel_sampling(c["mode"], sampling, tl.shape[-1])
+    if how == "topk":  # raw logits in, the kernels mask; the certification below uses standardized logits
+        out = emulate(emulator, c["mode"], tokens, dl, tl, u, u_res, scale=kscale, topk=topk, lenience=c["lenience"],
+                      sms=sms, seed=c["seed"], **chunks)
+    else:
+        out = emulate(emulator, c["mode"], tokens, dk, tk, u, u_res, scale=scale, lenience=c["lenience"],
+                      alpha=c["alpha"], beta=c["beta"], sms=sms, seed=c["seed"], **chunks)
     _, compared, problems = compare_rows(c["mode"], out, ref, tokens, dk, tk, u, u_res, scale, c["lenience"],
                                                   c["alpha"], c["beta"])
     assert not problems, problems
@@ -657,8 +834,13 @@ SIGMOID = (-8.0, 8.0)  # α, β that make the sigmoid path reject (the paper's �
 
 
 def _require_kernels():
+    """GPU tests run only where torch sees a CUDA device (conftest skips them elsewhere); there, kernels that
+    cannot run (no CuPy, NVRTC or driver failure) are a failure: a green GPU run must have launched them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     if not kernels.available():
-        pytest.skip(f"CUDA kernels unavailable: {kernels.unavailable_reason()}")
+        pytest.fail(f"a CUDA device is present but the kernels cannot run: {kernels.unavailable_reason()} "
+                    "(pip install -r requirements-gpu.txt)")
 
 
 def _gpu_logits(B, gamma, V, dtype, flavor, seed, spread=2.0, noise=1.0):
@@ -882,3 +1064,152 @@ def test_plumbing_on_gpu():
     assert host["n_accepted"].device.type == "cpu"
     assert torch.equal(host["next_token"], expanded["next_token"].cpu())
     assert sorted(host) == sorted(["n_accepted", "next_token", "accept_prob", "uniforms", "p_draft", "q_draft"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: top-k inside the kernels, the host path, stress
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_topk_in_kernel_agrees_with_standardize(dtype):
+    """Exact mode with top-k: the kernels mask each row themselves (radix select) and must decide as the torch
+    path, which standardizes with torch.topk; p(x), q(x) compared as elsewhere, so a wrong threshold shows."""
+    _require_kernels()
+    from specviz.verify import kernel_sampling
+
+    problems, rows, mism = [], 0, 0
+    for V in (51865, 151936):
+        for top_k, temperature in ((1, 1.0), (50, 0.8), (1000, 1.1), (kernels.MAX_TOPK, 1.0)):
+            for B, gamma in ((1, 5), (8, 3)):
+                seed = V + top_k + B
+                tl, dl, g = _gpu_logits(B, gamma, V, dtype, "dense", seed=seed)
+                sampling = SamplingConfig(temperature=temperature, top_k=top_k)
+                how, scale, k = kernel_sampling("exact", sampling, V)
+                assert how == "topk" and k == top_k
+                dk, tk, _ = kernel_inputs(sampling, dl, tl)
+                q = torch.softmax(dk, dim=-1)
+                tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, gamma)
+                ref, u, u_res = torch_path("exact", tokens, dl, tl, sampling, 1.0, -1e4, 1e4, seed=seed)
+                out = kernels.verify_cuda("exact", tokens, dl, tl, u, u_res, scale=scale, topk=k)
+                m, c, probs = compare_rows("exact", out, ref, tokens, dk, tk, u, u_res, 1.0, 1.0, -1e4, 1e4)
+                mism, rows = mism + m, rows + c
+                problems += [f"V={V} k={top_k} B={B}: {p}" for p in probs]
+    assert not problems, "\n".join(problems[:20])
+    assert rows > 0 and rows - mism >= 0.99 * rows
+
+
+def _syncs_seen(fn) -> int:
+    """How many synchronizing CUDA operations torch's sync debug mode reports while fn runs."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+def test_verify_makes_no_other_sync():
+    """verify() on the kernel path: the uniforms, the kernels and one readback. torch's sync debug mode may
+    see that readback's wait (at most one sync), nothing else, and host() reads nothing more; the torch
+    path, for contrast, syncs several times."""
+    _require_kernels()
+    from specviz.verify import verify
+
+    B, gamma, V = 4, 5, 151936
+    tl, dl, g = _gpu_logits(B, gamma, V, torch.bfloat16, "dense", seed=3)
+    tokens = torch.randint(0, V, (B, gamma), generator=g, device="cuda")
+    for sampling in (SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.8, top_k=40)):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        verify("exact", tokens, dl, tl, sampling, gen, backend="cuda")  # plans, compiles: outside the count
+        out = {}
+
+        def kernel_call():
+            out["res"] = verify("exact", tokens, dl, tl, sampling, gen, backend="cuda")
+            out["host"] = out["res"].host()
+
+        assert _syncs_seen(kernel_call) <= 1
+        res, h = out["res"], out["host"]
+        assert _syncs_seen(lambda: verify("exact", tokens, dl, tl, sampling, gen, backend="torch").host()) > 1
+        assert h.n_accepted == res.n_accepted.tolist() and h.next_token == res.next_token.tolist()
+        assert h.p_draft == res.p_draft.tolist() and h.uniforms == res.uniforms.tolist()
+    bad = tokens.clone()
+    bad[2, 3] = V
+    with pytest.raises(ValueError, match=r"position \[2, 3\]"):
+        verify("exact", bad, dl, tl, SamplingConfig(temperature=1.0), backend="cuda")
+
+
+def _stress_case(rng: np.random.Generator, i: int) -> dict:
+    B = int(rng.choice([1, 2, 3, 8, 17, 64]))
+    gamma = int(rng.integers(1, 9))
+    V = int(rng.choice([7, 1000, 4099, 51865, 151936]))
+    tl, dl, g = _gpu_logits(B, gamma, V, GPU_DTYPES[i % 3], "dense" if i % 4 else "sparse", seed=20_000 + i)
+    tokens = torch.randint(0, V, (B, gamma), generator=g, device="cuda")
+    u = torch.rand((B, gamma), generator=g, device="cuda")
+    u_res = torch.rand((B,), generator=g, device="cuda")
+    # chunk counts from 1 to V per row (stats_chunk=1 only where the workspace stays small)
+    chunks = dict(stats_chunk=int(rng.choice([0, 1 if V <= 4099 else 257, 257, 4096])) or None,
+                  residual_chunk=int(rng.choice([0, 1024, 1777, 4096])) or None)
+    mode = "exact" if i % 3 else "sigmoid"
+    topk = int(rng.choice([0, 0, 5, 300])) if mode == "exact" and V > 300 and B <= 8 else 0
+    return dict(mode=mode, args=(tokens, dl, tl, u, u_res), kw=dict(sigmoid_alpha=-8.0, sigmoid_beta=8.0, topk=topk,
+                                                                      **chunks))
+
+
+@pytest.mark.gpu
+def test_stress_back_to_back_launches():
+    """200 verifications of varying B, γ, V, dtypes, modes and chunk counts queued without a sync in
+    between (check=False), so consecutive grids reuse the per-stream ticket counters while earlier ones may
+    still run; each must equal the same call run alone with its readback."""
+    _require_kernels()
+    rng = np.random.default_rng(0)
+    cases = [_stress_case(rng, i) for i in range(200)]
+    alone = []
+    for c in cases:
+        alone.append(kernels.verify_cuda(c["mode"], *c["args"], **c["kw"]))
+        torch.cuda.synchronize()
+    queued = [kernels.verify_cuda(c["mode"], *c["args"], **c["kw"], check=False) for c in cases]
+    torch.cuda.synchronize()
+    for i, (a, q) in enumerate(zip(alone, queued)):
+        for name in a:
+            assert torch.equal(a[name], q[name]), (i, cases[i]["mode"], cases[i]["kw"], name)
+
+
+@pytest.mark.gpu
+def test_stress_producer_on_side_stream():
+    """A producer writes the logits on a side stream (behind a long matmul, so they are late); the kernels
+    run on the main stream after waiting for it, and also on the side stream itself, back to back; results
+    must equal those computed from the finished logits."""
+    _require_kernels()
+    B, gamma, V = 8, 5, 151936
+    tl0, dl0, g = _gpu_logits(B, gamma, V, torch.float16, "dense", seed=11)
+    tokens = torch.randint(0, V, (B, gamma), generator=g, device="cuda")
+    u = torch.rand((B, gamma), generator=g, device="cuda")
+    u_res = torch.rand((B,), generator=g, device="cuda")
+    expected = kernels.verify_cuda("exact", tokens, dl0, tl0, u, u_res)
+    side = torch.cuda.Stream()
+    big = torch.randn(4096, 4096, device="cuda")
+    main = torch.cuda.current_stream()
+    for rep in range(20):
+        tl, dl = torch.empty_like(tl0), torch.empty_like(dl0)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                big = (big @ big).tanh_()  # keeps the side stream busy
+            tl.copy_(tl0)
+            dl.copy_(dl0)
+            on_side = kernels.verify_cuda("exact", tokens, dl, tl, u, u_res, check=False)
+        main.wait_stream(side)
+        for t in (tl, dl, *on_side.values()):
+            t.record_stream(main)
+        on_main = kernels.verify_cuda("exact", tokens, dl, tl, u, u_res)
+        for name in expected:
+            assert torch.equal(on_main[name], expected[name]), (rep, name)
+            assert torch.equal(on_side[name], expected[name]), (rep, name)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -32,7 +32,19 @@ from ..sampling import check_logits
 from .baseline import verify_baseline
 from .tiled import DEFAULT_TILE, verify_tiled
 
-__all__ = ["VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active", "project_kernels"]
+__all__ = ["VerifyHost", "VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active", "kernel_sampling", "project_kernels"]
+
+
+@dataclass(frozen=True)
+class VerifyHost:
+    """A VerifyResult's fields as Python lists on the host (what the engine records)."""
+
+    n_accepted: list[int]  # [B]
+    next_token: list[int]  # [B]
+    accept_prob: list[list[float]]  # [B][γ]
+    uniforms: list[list[float]]  # [B][γ]
+    p_draft: list[list[float]]  # [B][γ]
+    q_draft: list[list[float]]  # [B][γ]
 
 
 @dataclass
@@ -43,15 +55,36 @@ class VerifyResult:
     uniforms: torch.Tensor  # [B, γ]: the uniform each position was compared with
     p_draft: torch.Tensor  # [B, γ]: target probability of each drafted token, as the mode computes it
     q_draft: torch.Tensor  # [B, γ]: draft probability of each drafted token, as the mode computes it
+    # The host copy: set by the kernel path from its one readback, else made by the first host() call.
+    _host: VerifyHost | None = field(default=None, repr=False, compare=False)
+
+    def host(self) -> VerifyHost:
+        """All fields as Python lists. The kernel path already read them back (no new sync); the torch
+        path reads them with one stacked copy the first time, then keeps it."""
+        if self._host is None:
+            B, gamma = self.accept_prob.shape
+            # One readback: ids < 2^53 are exact in float64, and so is every float32 value.
+            flat = torch.cat([self.n_accepted.reshape(-1).double(), self.next_token.reshape(-1).double(),
+                              *(getattr(self, k).reshape(-1).double() for k in _FLOAT_FIELDS)]).tolist()
+            rows = [flat[2 * B + i * B * gamma: 2 * B + (i + 1) * B * gamma] for i in range(len(_FLOAT_FIELDS))]
+            floats = {k: [r[b * gamma:(b + 1) * gamma] for b in range(B)] for k, r in zip(_FLOAT_FIELDS, rows)}
+            self._host = VerifyHost(n_accepted=[int(x) for x in flat[:B]], next_token=[int(x) for x in flat[B:2 * B]],
+                                    **floats)
+        return self._host
 
     def emitted(self, draft_tokens: torch.Tensor, row: int = 0) -> list[int]:  # draft_tokens [B, γ]
         """The tokens this verification appends to sequence `row`: kept drafts, then next_token."""
-        n = int(self.n_accepted[row])
-        return draft_tokens[row, :n].tolist() + [int(self.next_token[row])]
+        h = self.host()
+        n = h.n_accepted[row]
+        return draft_tokens[row, :n].tolist() + [h.next_token[row]]
+
+
+_FLOAT_FIELDS = ("accept_prob", "uniforms", "p_draft", "q_draft")
 
 
 def _check_shapes(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
                   draft_lengths: list[int] | None) -> None:
+    """Shapes, dtypes and draft_lengths: no device work."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
         raise ValueError(f"draft_tokens must be a LongTensor [B, γ], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}")
     B, gamma = draft_tokens.shape
@@ -65,12 +98,15 @@ def _check_shapes(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target
         raise ValueError(
             f"draft and target vocabularies differ: {draft_logits.shape[-1]} vs {target_logits.shape[-1]} columns"
         )
-    V = target_logits.shape[-1]
-    if bool((draft_tokens < 0).any()) or bool((draft_tokens >= V).any()):
-        raise ValueError(f"draft_tokens must lie in [0, {V})")
     if draft_lengths is not None:
         if len(draft_lengths) != B or any(not 1 <= int(n) <= gamma for n in draft_lengths):
             raise ValueError(f"draft_lengths must hold B={B} counts in [1, γ={gamma}], got {list(draft_lengths)}")
+
+
+def _check_token_range(draft_tokens: torch.Tensor, vocab: int) -> None:
+    """Drafted ids in [0, V): one reduction and one host sync (the kernels check this in their error slot)."""
+    if bool(((draft_tokens < 0) | (draft_tokens >= vocab)).any()):
+        raise ValueError(f"draft_tokens must lie in [0, {vocab})")
 
 
 def _lengths(draft_lengths: list[int] | None, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -105,6 +141,11 @@ def verify(
     decisions up to floating-point near-ties), 'torch' forces the torch path, 'cuda' requires the kernels.
     draft_lengths: drafted tokens per row when rows drafted fewer than γ (see the module docstring); ragged
     rows verify on the torch path, which the kernels do not yet take.
+
+    On the kernel path a call launches the two uniform draws and the kernels and reads back once (the
+    result's `host()` is that copy); input problems (bad logits, drafted ids outside [0, V)) are raised
+    from that readback. With top-k alone (exact mode) the kernels apply it themselves; top-p, and top-k
+    in sigmoid mode, standardize the logits with torch first.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -117,8 +158,10 @@ def verify(
     if ragged and backend == "cuda":
         raise ValueError("the CUDA kernels verify rows of equal length; ragged draft_lengths need backend 'auto' or 'torch'")
     if _use_kernels(mode, sampling, target_logits, "torch" if ragged and backend == "auto" else backend):
-        return VerifyResult(**_verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator,
-                                              lenience, sigmoid_alpha, sigmoid_beta))
+        # No device checks here: the kernels flag bad logits and out-of-range tokens in their one readback.
+        return _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator,
+                               lenience, sigmoid_alpha, sigmoid_beta)
+    _check_token_range(draft_tokens, target_logits.shape[-1])
     check_logits(draft_logits, "draft")
     check_logits(target_logits, "target")
     lengths = _lengths(draft_lengths, draft_tokens)
@@ -173,7 +216,24 @@ def _use_kernels(mode: str, sampling: SamplingConfig, target_logits: torch.Tenso
     return backend == "auto" and wanted and kernels_active()
 
 
-def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator, lenience, alpha, beta) -> dict:
+def kernel_sampling(mode: str, sampling: SamplingConfig, vocab: int) -> tuple[str, float, int]:
+    """How the kernel path applies `sampling`: ('scale', 1/T, 0) temperature only, fused; ('topk', s, k) top-k
+    inside the kernels on raw logits times s = fp32(1)/fp32(T) (torch's `z / T` on CUDA); ('standardize', 1, 0)
+    logits standardized by torch first (top-p, sigmoid with top-k, k > MAX_TOPK)."""
+    if sampling.temperature_only:
+        return "scale", 1.0 / sampling.temperature, 0
+    top_k = sampling.top_k if sampling.top_k < vocab else 0  # standardize skips top_k >= V
+    # standardize's `z / T` is z · (fp32(1) / fp32(T)) on CUDA: the kernels multiply by that factor
+    scale = 1.0 if sampling.temperature == 1.0 else float(project_kernels().topk_scale(sampling.temperature))
+    if sampling.top_p == 1.0 and not top_k:
+        return "scale", scale, 0
+    if sampling.top_p == 1.0 and mode == "exact" and top_k <= project_kernels().MAX_TOPK:
+        return "topk", scale, top_k
+    return "standardize", 1.0, 0
+
+
+def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator, lenience, alpha,
+                    beta) -> VerifyResult:
     from ..sampling import standardize
 
     kernels = project_kernels()
@@ -182,9 +242,9 @@ def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, g
     # the same draws, in the same order, as the torch path: the decisions then agree
     u = torch.rand((B, gamma), generator=generator, device=target_logits.device)
     u_res = torch.rand((B,), generator=generator, device=target_logits.device)
-    if sampling.temperature_only:
-        scale = 1.0 / sampling.temperature
-    else:
-        draft_logits, target_logits, scale = standardize(draft_logits, sampling), standardize(target_logits, sampling), 1.0
-    return kernels.verify_cuda(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale,
-                               lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta)
+    how, scale, topk = kernel_sampling(mode, sampling, target_logits.shape[-1])
+    if how == "standardize":
+        draft_logits, target_logits = standardize(draft_logits, sampling), standardize(target_logits, sampling)
+    done = kernels.launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, topk=topk,
+                          lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta)
+    return VerifyResult(**done.outputs, _host=VerifyHost(**done.host))

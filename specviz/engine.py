@@ -417,13 +417,12 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
             sigmoid_alpha=cfg.sigmoid_alpha, sigmoid_beta=cfg.sigmoid_beta, backend=cfg.verify_backend,
             draft_lengths=lengths if min(lengths) < widest else None,
         )
-        counts = torch.stack([result.n_accepted, result.next_token]).tolist()  # one readback each
-        probs = torch.stack([result.accept_prob, result.uniforms, result.p_draft, result.q_draft]).float().tolist()
+        host = result.host()  # one readback (the kernel path made it already)
         t3 = clock.now()
 
         decisions, target_keep, draft_keep, finished = [], [], [], []
         for i, (row, d) in enumerate(zip(rows, drafts)):
-            n, next_id, g = counts[0][i], counts[1][i], len(d)
+            n, next_id, g = host.n_accepted[i], host.next_token[i], len(d)
             kept = len(row.tokens) + n  # both caches may keep the context plus the accepted drafts
             target_keep.append(kept)
             if draft is not None:
@@ -431,7 +430,7 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
             emitted, hit_eos = _limit(d[:n] + [next_id], row.remaining, vocab.eos)
             row.tokens.extend(emitted)
             row.remaining -= len(emitted)
-            accept_prob, uniform, p, q = (probs[k][i][:g] for k in range(4))
+            accept_prob, uniform, p, q = (x[i][:g] for x in (host.accept_prob, host.uniforms, host.p_draft, host.q_draft))
             decisions.append(Decision(
                 step=index, sequence=row.sequence, gamma=g, draft_ids=d, draft_text=[vocab.decode([t]) for t in d],
                 q=q, p=p, accept_prob=accept_prob, uniform=uniform,
@@ -445,7 +444,7 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
         if draft is not None:
             draft.rollback(draft_keep)
         policy.update(Feedback(
-            gamma, lengths, counts[0],
+            gamma, lengths, host.n_accepted,
             [a for dec in decisions for a, o in zip(dec.accept_prob, dec.outcome) if o != DISCARDED],
             t1 - t0, t2 - t1,
         ))

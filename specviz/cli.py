@@ -61,7 +61,7 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
                          help="article files to summarize as one batch ('-' for stdin)"
                          + ("; or audio files to transcribe" if audio else "") + "; default: the bundled sample article")
     src.add_argument("--max-new-tokens", type=int, default=128, help="per sequence")
-    if inputs == "text":
+    if inputs != "audio":
         src.add_argument("--num-sequences", type=int, default=1,
                          help="samples drawn per article (BASS: several responses to one prompt; needs --temperature > 0)")
     if audio:
@@ -71,7 +71,8 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
                    "speech also takes 'layers:0,1,2,4,5' (a draft made of the target's own decoder layers)")
     m.add_argument("--target", default=DEFAULT, help="hub id, local directory, .gguf file, or 'default' (embedded)")
     m.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
-                   help="default: bf16 for the text pair, fp32 for Whisper")
+                   help="default: fp32 on the CPU (no fast bf16 matrix multiply there), bf16 for the text pair on CUDA; "
+                   "fp32 for Whisper")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     m.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="int8 draft weights (default: on for the CPU; the target is never quantized)")
@@ -160,7 +161,7 @@ def _articles(args: argparse.Namespace) -> list[tuple[str, str]]:
 def _load(args: argparse.Namespace) -> ModelPair:
     progress = _LoadProgress()
     try:
-        return load_pair(args.draft, args.target, device=args.device, dtype=args.dtype or "bf16",
+        return load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
                          draft_int8=args.draft_int8, progress=progress)
     finally:
         progress.close()
@@ -301,7 +302,8 @@ def _draft_variants(args: argparse.Namespace, pair, cfg: SpecConfig, clips) -> d
             source = SpeechSource(pair, clips, args.language, variant.draft_vocab)
         else:
             source = article_source(pair, _articles(args), variant, args.num_sequences)
-        name = f"{variant.mode} · {kind}" + (f" · K={variant.draft_vocab}" if variant.draft_vocab else " · all tokens")
+        head = "" if kind == "lookup" else f" · K={variant.draft_vocab}" if variant.draft_vocab else " · all tokens"
+        name = f"{variant.mode} · {kind}{head}"
         out[name] = lambda source=source, variant=variant: run(source, variant, batch_size=args.batch_size)
     return out
 

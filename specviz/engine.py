@@ -396,8 +396,8 @@ def _left_aligned(logits: torch.Tensor, counts: list[int], width: int) -> torch.
     return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
 
 
-def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDecoder, cfg: SpecConfig, vocab: Vocabulary,
-               generator: torch.Generator, policy, clock: Stopwatch, start: float, first_index: int) -> Iterator[Event]:
+def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDecoder, cfg: SpecConfig,
+               vocab: Vocabulary, generator: torch.Generator, policy, clock: Stopwatch, start: float, first_index: int) -> Iterator[Event]:
     index = first_index
     while rows:
         gamma = max(1, policy.current())
@@ -430,7 +430,8 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
             emitted, hit_eos = _limit(d[:n] + [next_id], row.remaining, vocab.eos)
             row.tokens.extend(emitted)
             row.remaining -= len(emitted)
-            accept_prob, uniform, p, q = (x[i][:g] for x in (host.accept_prob, host.uniforms, host.p_draft, host.q_draft))
+            accept_prob, uniform, p, q = (x[i][:g] for x in
+                                          (host.accept_prob, host.uniforms, host.p_draft, host.q_draft))
             decisions.append(Decision(
                 step=index, sequence=row.sequence, gamma=g, draft_ids=d, draft_text=[vocab.decode([t]) for t in d],
                 q=q, p=p, accept_prob=accept_prob, uniform=uniform,

@@ -262,10 +262,14 @@ def load_pair(
     draft_int8: bool | None = None,
     progress: Progress = _silent,
 ) -> ModelPair:
-    """Load and check a draft/target pair. Defaults: the embedded Qwen pair, CUDA when present, bf16, and on
-    the CPU an int8 draft (draft_int8=None means: int8 exactly when running on the CPU)."""
+    """Load and check a draft/target pair. Defaults: the embedded Qwen pair, CUDA when present, bf16 on CUDA
+    and fp32 on the CPU, and on the CPU an int8 draft (draft_int8=None means: int8 exactly on the CPU).
+
+    fp32 on the CPU because this class of CPU has no fast bf16 matrix multiply: a bf16 forward over many
+    tokens (prefill, and verification of γ + 1 drafts) took 2-3× longer than fp32 (docs/benchmarks.md); the
+    embedded weights are dequantized to fp32 exactly anyway, so fp32 is also the unrounded target."""
     device = torch.device(device) if device is not None else default_device()
-    dtype = parse_dtype(dtype)
+    dtype = parse_dtype(dtype) if dtype is not None else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     if draft_int8 is None:
         draft_int8 = device.type == "cpu"
     if draft_int8 and device.type != "cpu":

@@ -194,7 +194,8 @@ def _article_source(models: ModelCache, article: str, settings: Settings, cfg: S
     return article_source(pair, [("article", article)], cfg, settings.sequences)
 
 
-def _speech_source(models: ModelCache, audio_path: str | None, settings: Settings, progress: Progress) -> Source:
+def _speech_source(models: ModelCache, audio_path: str | None, settings: Settings, cfg: SpecConfig,
+                   progress: Progress) -> Source:
     from .asr import SpeechSource
 
     if not audio_path:
@@ -215,7 +216,7 @@ def stream_transcript(models: ModelCache, audio_path: str | None, settings: Sett
     from .asr import word_error_rate
 
     cfg = settings.spec(SPEECH)
-    source = _speech_source(models, audio_path, settings, progress)
+    source = _speech_source(models, audio_path, settings, cfg, progress)
     for trace, done in _streamed(source, cfg, {"input": Path(audio_path).name}):
         if done and reference.strip():
             trace.meta["reference"] = reference
@@ -230,7 +231,7 @@ def compare_modes(models: ModelCache, task: str, source: str | None, settings: S
     if task == TEXT:
         decoded = _article_source(models, source, settings, cfg, progress)
     else:
-        decoded = _speech_source(models, source, settings, progress)
+        decoded = _speech_source(models, source, settings, cfg, progress)
     rows, traces = compare(source_runner(decoded), dataclasses.replace(cfg, mode="exact"), on_stage=on_stage)
     return [r.as_dict() for r in rows], traces
 

@@ -103,7 +103,7 @@ def shots(tmp_path_factory) -> Path:
 
 
 def _use_models(pg, draft: str, target: str) -> None:
-    pg.get_by_text("Sampling, sigmoid, lenience, models").click()
+    pg.get_by_text("Sampling, sigmoid, lenience, drafts, models").click()
     for box, value in (("#draft-model textarea", draft), ("#target-model textarea", target)):
         pg.wait_for_selector(box, state="visible")
         for _ in range(5):  # the accordion's first render can reset a value typed into it
@@ -200,7 +200,7 @@ def test_three_sequences_show_three_lanes(page, tiny_dirs, shots):
     page.screenshot(path=str(shots / "summarize-three-lanes.png"), full_page=True)
 
 
-def _hostile_strings(node, payloads, keep=("outcome", "next_kind", "finish")):
+def _hostile_strings(node, payloads, keep=("outcome", "next_kind", "finish", "drafter")):
     """Every free-text string of a trace replaced by markup (enumerated fields keep their values)."""
     if isinstance(node, dict):
         return {k: v if k in keep else _hostile_strings(v, payloads, keep) for k, v in node.items()}

@@ -93,7 +93,7 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
     import torch
 
     from .config import SamplingConfig
-    from .verify import kernel_sampling, kernels_active, project_kernels, verify
+    from .verify import kernels_active, project_kernels, verify
 
     sampling = SamplingConfig(temperature=1.0, top_k=top_k)
     kernels_on = device.type == "cuda" and kernels_active()
@@ -126,7 +126,7 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
                                    "host_us": None, "floor_bytes": floor}
                             if backend == "cuda":
                                 row.update(_kernel_split(project_kernels(), mode, sampling, tokens, draft, target,
-                                                         g, warmup, iters, kernel_sampling))
+                                                         g, warmup, iters))
                                 row["host_us"] = row["call_us"] - row["gpu_us"]
                             if mode == "baseline":
                                 baseline_us = row["call_us"]
@@ -138,18 +138,13 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
     return rows
 
 
-def _kernel_split(kernels, mode, sampling, tokens, draft, target, g, warmup, iters, kernel_sampling) -> dict:
+def _kernel_split(kernels, mode, sampling, tokens, draft, target, g, warmup, iters) -> dict:
     """The kernel path without its readback (check=False, then a stream sync), and its GPU time alone."""
     import torch
 
-    from .sampling import standardize
+    from .verify import kernel_inputs
 
-    B, gamma = tokens.shape
-    u = torch.rand((B, gamma), generator=g, device=target.device)
-    u_res = torch.rand((B,), generator=g, device=target.device)
-    how, scale, topk = kernel_sampling(mode, sampling, target.shape[-1])
-    if how == "standardize":
-        draft, target = standardize(draft, sampling), standardize(target, sampling)
+    draft, target, u, u_res, scale, topk = kernel_inputs(mode, tokens, draft, target, sampling, g)
     opts = dict(scale=scale, topk=topk, sigmoid_alpha=-1e4, sigmoid_beta=1e4)
     stream = torch.cuda.current_stream()
 

@@ -32,7 +32,7 @@ def subset_ids(vocab_size: int, k: int, always: set[int]) -> torch.Tensor:
     return torch.cat([torch.arange(k), torch.tensor(extra, dtype=torch.long)])
 
 
-def _rows(head: nn.Module, ids: torch.Tensor) -> tuple[nn.Module, int]:
+def _rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     """A linear layer computing `head`'s outputs for rows `ids` only; int8 heads stay int8."""
     qlinear = torch.ao.nn.quantized.dynamic.Linear
     if isinstance(head, qlinear):
@@ -42,14 +42,14 @@ def _rows(head: nn.Module, ids: torch.Tensor) -> tuple[nn.Module, int]:
             warnings.simplefilter("ignore")  # torch.ao is deprecated for torchao; see specviz.quant
             sub = qlinear(head.in_features, len(ids), dtype=torch.qint8)
         sub.set_weight_bias(weight.index_select(0, ids.to(weight.device)), None if bias is None else bias[ids])
-        return sub, head.in_features
+        return sub
     sub = nn.Linear(head.in_features, len(ids), bias=head.bias is not None, device=head.weight.device,
                     dtype=head.weight.dtype)
     with torch.no_grad():
         sub.weight.copy_(head.weight.index_select(0, ids.to(head.weight.device)))
         if head.bias is not None:
             sub.bias.copy_(head.bias[ids])
-    return sub, head.in_features
+    return sub
 
 
 class SubsetHead:
@@ -59,7 +59,7 @@ class SubsetHead:
     """
 
     def __init__(self, head: nn.Module, ids: torch.Tensor, vocab_size: int):  # ids LongTensor[K]
-        self.linear, _ = _rows(head, ids)
+        self.linear = _rows(head, ids)
         self.ids = ids.to(_device(head))
         self.vocab_size = vocab_size
         self.quantized = isinstance(self.linear, torch.ao.nn.quantized.dynamic.Linear)

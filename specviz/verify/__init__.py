@@ -32,7 +32,8 @@ from ..sampling import check_logits
 from .baseline import verify_baseline
 from .tiled import DEFAULT_TILE, verify_tiled
 
-__all__ = ["VerifyHost", "VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active", "kernel_sampling", "project_kernels"]
+__all__ = ["VerifyHost", "VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active", "kernel_inputs", "kernel_sampling",
+           "project_kernels"]
 
 
 @dataclass(frozen=True)
@@ -232,19 +233,25 @@ def kernel_sampling(mode: str, sampling: SamplingConfig, vocab: int) -> tuple[st
     return "standardize", 1.0, 0
 
 
-def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator, lenience, alpha,
-                    beta) -> VerifyResult:
+def kernel_inputs(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                  sampling: SamplingConfig, generator: torch.Generator | None) -> tuple:
+    """What kernels.launch takes for this call: (draft_logits [B, γ, V], target_logits [B, γ+1, V], u [B, γ],
+    u_res [B], scale, topk), with the same draws in the same order as the torch path, so decisions agree."""
     from ..sampling import standardize
 
-    kernels = project_kernels()
-
     B, gamma = draft_tokens.shape
-    # the same draws, in the same order, as the torch path: the decisions then agree
     u = torch.rand((B, gamma), generator=generator, device=target_logits.device)
     u_res = torch.rand((B,), generator=generator, device=target_logits.device)
     how, scale, topk = kernel_sampling(mode, sampling, target_logits.shape[-1])
     if how == "standardize":
         draft_logits, target_logits = standardize(draft_logits, sampling), standardize(target_logits, sampling)
-    done = kernels.launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, topk=topk,
-                          lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta)
+    return draft_logits, target_logits, u, u_res, scale, topk
+
+
+def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator, lenience, alpha,
+                    beta) -> VerifyResult:
+    draft_logits, target_logits, u, u_res, scale, topk = kernel_inputs(mode, draft_tokens, draft_logits,
+                                                                       target_logits, sampling, generator)
+    done = project_kernels().launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale,
+                                    topk=topk, lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta)
     return VerifyResult(**done.outputs, _host=VerifyHost(**done.host))

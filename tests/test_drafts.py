@@ -8,6 +8,8 @@ seeds, with the sample size and tolerance stated as in test_verify_statistics).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -214,3 +216,42 @@ def test_summary_and_page_say_which_draft_ran(tiny_pair):
     alone = decode(tiny_pair, prompts, SpecConfig(draft_kind="lookup", max_new_tokens=20))
     assert alone.summary()["lookup_share"] == 1 and alone.summary()["cost_ratio"] is None
     assert "measured c" not in summary_markdown(alone) and "draft head" not in summary_markdown(alone)
+
+
+def test_bad_draft_settings_get_clear_messages(tmp_path):
+    from specviz.cli import _draft_variants, build_parser
+    from specviz.prompts import InputError
+    from specviz.trace import TraceFormatError
+
+    with pytest.raises(ValueError, match="unknown draft kind 'ngram'"):
+        SpecConfig(draft_kind="ngram")
+    with pytest.raises(ValueError, match="n-gram must be between 1 and 8"):
+        SpecConfig(lookup_ngram=0)
+    with pytest.raises(ValueError, match="draft vocabulary size must be >= 0"):
+        SpecConfig(draft_vocab=-5)
+    article = tmp_path / "a.txt"
+    article.write_text("Some text to summarize.")
+    args = build_parser().parse_args(["compare", str(article), "--drafts", "lookup:many"])
+    with pytest.raises(InputError, match="--drafts takes KIND"):  # refused before any run starts
+        _draft_variants(args, None, SpecConfig(), None)
+    trace = Trace.loads(_tiny_trace_json()).to_dict()
+    trace["sequences"][0]["decisions"][0]["drafter"] = "oracle"
+    with pytest.raises(TraceFormatError, match="drafter 'oracle'; expected one of model, lookup"):
+        Trace.loads(json.dumps(trace))
+
+
+def _tiny_trace_json() -> str:
+    from specviz.engine import SequenceSpec
+    from specviz.records import Completed, Decision, Iteration, Prefilled, StepRecord
+    from specviz.trace import TraceBuilder
+
+    builder = TraceBuilder({"mode": "exact"}, [SequenceSpec([1, 2], "s", "s", {})], lambda ids: " ".join(map(str, ids)))
+    builder.add(Prefilled([0], 0.1))
+    step = StepRecord(index=0, gamma=1, sequences=[0], draft_s=0.01, target_s=0.02, verify_s=0.001, end_s=0.2,
+                      real_tokens=2, pad_tokens=0, cache_slots=4, cache_holes=0)
+    decision = Decision(step=0, sequence=0, gamma=1, draft_ids=[5], draft_text=["5"], q=[1.0], p=[0.5],
+                        accept_prob=[0.5], uniform=[0.2], outcome=["accepted"], n_accepted=1, next_id=6,
+                        next_text="6", next_kind="bonus", emitted=2, drafter=LOOKUP)
+    builder.add(Iteration(step, [decision]))
+    builder.add(Completed(0.3))
+    return json.dumps(builder.trace.to_dict())

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 MODES = ("baseline", "exact", "sigmoid")
 DRAFT_KINDS = ("model", "lookup", "lookup+model")  # see specviz.drafts
 GAMMA_POLICIES = ("constant", "hf", "bass", "optimal")
+MAX_EXPLAIN_TOP = 100  # bounds the trace's size (specviz.explain)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class SpecConfig:
     # Tokens the draft model's head scores (the first ids in merge order, plus specials and the prompt's
     # tokens); 0 = the whole vocabulary. q = 0 elsewhere; verification stays exact.
     draft_vocab: int = 0
+    # Top tokens of p, q and the residual recorded per examined position for the page's why-panel
+    # (specviz.explain); 0 records none. The clock stops while they are recorded.
+    explain_top: int = 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.draft_confidence < 1:
@@ -94,6 +98,8 @@ class SpecConfig:
             raise ValueError(f"unknown draft kind {self.draft_kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
         if not 1 <= self.lookup_ngram <= 8:
             raise ValueError(f"the prompt-lookup n-gram must be between 1 and 8 tokens, got {self.lookup_ngram}")
+        if not 0 <= self.explain_top <= MAX_EXPLAIN_TOP:
+            raise ValueError(f"explain_top must be between 0 and {MAX_EXPLAIN_TOP} tokens, got {self.explain_top}")
         if self.draft_vocab < 0:
             raise ValueError(f"the draft vocabulary size must be >= 0 (0: all tokens), got {self.draft_vocab}")
         if self.gamma_policy not in GAMMA_POLICIES:

@@ -20,31 +20,49 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, TypeVar
 
 import torch
 
 from .config import SpecConfig
 from .gamma import Feedback, make_policy
 from .drafts import lookup, one_hot_logits
+from .explain import examine
 from .records import (ACCEPTED, BONUS, DISCARDED, LOOKUP, MODEL, REJECTED, RESAMPLED, TARGET, Completed, Decision,
                       Event, Finished, Iteration, Prefilled, StepRecord)
 from .sampling import check_logits, draw
 from .verify import verify
 
+T = TypeVar("T")
 PAD_ID = 0  # the token fed into padding slots; they are masked, so which token it is does not matter
 
 
 class Stopwatch:
-    """Wall-clock seconds; synchronizes CUDA first so that queued kernels are counted where they run."""
+    """Run-time seconds; synchronizes CUDA first so that queued kernels are counted where they run.
+
+    `paused()` stops the clock for work that only serves the display (recording the why-panel's
+    distributions), so every time the trace reports is the time decoding itself took.
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.excluded = 0.0  # seconds spent paused so far
 
-    def now(self) -> float:
+    def _wall(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+
+    def now(self) -> float:
+        return self._wall() - self.excluded
+
+    def paused(self, work: Callable[[], T]) -> tuple[T, float]:
+        """Run work with the clock stopped; returns its result and the seconds it took."""
+        t0 = self._wall()
+        result = work()
+        seconds = self._wall() - t0
+        self.excluded += seconds
+        return result, seconds
 
 
 class SlottedDecoder:
@@ -419,6 +437,12 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
         )
         host = result.host()  # one readback (the kernel path made it already)
         t3 = clock.now()
+        why, explain_s = [[] for _ in rows], 0.0
+        if cfg.explain_top:
+            why, explain_s = clock.paused(lambda: examine(
+                drafts, host.n_accepted, draft_logits, target_logits, cfg.sampling, lenience=cfg.lenience,
+                sigmoid=(cfg.sigmoid_alpha, cfg.sigmoid_beta) if cfg.mode == "sigmoid" else None,
+                top=cfg.explain_top, decode=vocab.decode))
 
         decisions, target_keep, draft_keep, finished = [], [], [], []
         for i, (row, d) in enumerate(zip(rows, drafts)):
@@ -437,7 +461,7 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
                 q=q, p=p, accept_prob=accept_prob, uniform=uniform,
                 outcome=[ACCEPTED] * n + ([REJECTED] if n < g else []) + [DISCARDED] * max(0, g - n - 1),
                 n_accepted=n, next_id=next_id, next_text=vocab.decode([next_id]),
-                next_kind=BONUS if n == g else RESAMPLED, emitted=len(emitted), drafter=drafted_by[i],
+                next_kind=BONUS if n == g else RESAMPLED, emitted=len(emitted), drafter=drafted_by[i], why=why[i],
             ))
             if hit_eos or row.remaining == 0:
                 finished.append((row.sequence, "eos" if hit_eos else "length"))
@@ -449,14 +473,14 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
             [a for dec in decisions for a, o in zip(dec.accept_prob, dec.outcome) if o != DISCARDED],
             t1 - t0, t2 - t1,
         ))
-        yield Iteration(_step(index, gamma, rows, (draft, target), t1 - t0, t2 - t1, t3 - t2, clock.now() - start),
-                        decisions)
+        yield Iteration(_step(index, gamma, rows, (draft, target), t1 - t0, t2 - t1, t3 - t2, clock.now() - start,
+                              explain_s), decisions)
         index += 1
         rows = yield from _leave(rows, finished, (draft, target), clock, start)
 
 
 def _step(index: int, gamma: int, rows: list[Row], decoders: tuple, draft_s: float, target_s: float, verify_s: float,
-          end_s: float) -> StepRecord:
+          end_s: float, explain_s: float = 0.0) -> StepRecord:
     real = pad = slots = holes = 0
     for decoder in decoders:
         if decoder is not None:
@@ -465,7 +489,7 @@ def _step(index: int, gamma: int, rows: list[Row], decoders: tuple, draft_s: flo
             real, pad, slots, holes = real + r, pad + p, slots + s, holes + h
     return StepRecord(index=index, gamma=gamma, sequences=[r.sequence for r in rows], draft_s=draft_s,
                       target_s=target_s, verify_s=verify_s, end_s=end_s, real_tokens=real, pad_tokens=pad,
-                      cache_slots=slots, cache_holes=holes)
+                      cache_slots=slots, cache_holes=holes, explain_s=explain_s)
 
 
 def _leave(rows: list[Row], finished: list[tuple[int, str]], decoders: tuple, clock: Stopwatch,

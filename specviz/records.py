@@ -6,7 +6,7 @@ nothing flows back. A record is never mutated after it is yielded, so handing on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Outcome of each drafted token, then of the token verification adds (TARGET: target-only decoding).
 ACCEPTED, REJECTED, DISCARDED = "accepted", "rejected", "discarded"  # discarded: drafted after a rejection
@@ -16,6 +16,35 @@ NEXT_KINDS = (RESAMPLED, BONUS, TARGET)
 FINISH_REASONS = ("eos", "length", "")  # "": still decoding when the trace was taken
 MODEL, LOOKUP = "model", "lookup"  # who drafted: the draft model, or prompt lookup (specviz.drafts)
 DRAFTERS = (MODEL, LOOKUP)
+
+
+@dataclass(frozen=True)
+class TopTokens:
+    """The N most probable tokens of a distribution, most probable first, and the mass of all the others."""
+
+    ids: list[int]
+    texts: list[str]
+    probs: list[float]
+    rest: float  # 1 - sum(probs): the mass outside the top N
+
+
+@dataclass(frozen=True)
+class Examined:
+    """Why one position of a decision went as it did: the distributions verification compared there.
+
+    Positions examined: every accepted draft, the rejected one, and the bonus position (γ) when all drafts
+    were accepted. Drafts after a rejection were never examined and have no entry.
+    """
+
+    position: int  # draft position k in 0..γ-1, or γ for the bonus position (nothing drafted there)
+    p: TopTokens  # the target's standardized distribution (softmax, even in sigmoid mode)
+    q: TopTokens | None  # the draft's standardized distribution; None at the bonus position
+    # Where the next token was drawn from, as the mode drew it: the normalized residual max(0, p - l·q) at
+    # the rejected position, p at the bonus position (sigmoid: from p̂ and q̂); None at accepted positions.
+    drawn_from: TopTokens | None
+    # sigmoid with sampling only (None otherwise): what exact verification would say at this position
+    exact_accept_prob: float | None  # min(1, p(x) / (l·q(x))) with softmax p and q
+    sigmoid_tv: float | None  # total-variation distance of p̂ (normalized) from p
 
 
 @dataclass(frozen=True)
@@ -38,6 +67,7 @@ class Decision:
     next_kind: str  # RESAMPLED, BONUS, or TARGET
     emitted: int  # tokens appended to the output (fewer than n_accepted + 1 at EOS or the token limit)
     drafter: str = MODEL  # MODEL or LOOKUP (target-only steps: MODEL, unused)
+    why: list[Examined] = field(default_factory=list)  # examined positions in order; empty when not recorded
 
     @property
     def tokens(self) -> list[int]:
@@ -60,6 +90,9 @@ class StepRecord:
     pad_tokens: int  # padding fed beside them because rows fed different counts (compute spent on nothing)
     cache_slots: int  # KV-cache entries per layer held by draft and target after the iteration (rows × length)
     cache_holes: int  # of which masked: padding, rejected drafts, and left padding of shorter prompts
+    # Seconds spent recording the why-panel's distributions (Decision.why) after verification; the run's
+    # clock stops meanwhile, so end_s and every other time exclude it.
+    explain_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,11 @@ Only the trace crosses from the engine to the figures and the page; a trace load
 same pictures as a live one. A TraceBuilder turns the engine's records into a Trace; whoever consumes the
 records owns its builder, so no trace is shared between the decoding thread and a reader.
 
-Schema version 2 (batched): `sequences` (one per decoded sequence: label, prompt and output ids, output
-text, its per-iteration decisions) and `steps` (per iteration, once for the batch: γ, timings, padding and
-cache-hole counts). Version 1 files (one sequence, decisions and timings together in `iterations`) are
-read and converted.
+Schema version 3: `sequences` (one per decoded sequence: label, prompt and output ids, output text, its
+per-iteration decisions, each with the distributions behind it in `why`) and `steps` (per iteration, once
+for the batch: γ, timings, padding and cache-hole counts, and `explain_s`). Version 2 files (no `why`, no
+`explain_s`) and version 1 files (one sequence, decisions and timings together in `iterations`) are read
+and converted.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import theory
-from .records import (DISCARDED, DRAFTERS, FINISH_REASONS, LOOKUP, MODEL, NEXT_KINDS, OUTCOMES, TARGET, Completed,
-                      Decision, Event, Finished, Iteration, Prefilled, StepRecord)
+from .config import MAX_EXPLAIN_TOP
+from .records import (ACCEPTED, DISCARDED, DRAFTERS, FINISH_REASONS, LOOKUP, MODEL, NEXT_KINDS, OUTCOMES, TARGET,
+                      Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, StepRecord, TopTokens)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class TraceFormatError(ValueError):
@@ -98,6 +100,17 @@ class Trace:
         """All sequences' tokens over the run's wall time (throughput)."""
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    @property
+    def decode_s(self) -> float:
+        """Wall time after the prefills: the iterations alone."""
+        return max(0.0, self.total_s - self.prefill_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens over the decoding time (prefill left out: it is the same work with or without a draft,
+        except the draft's own prefill)."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
     def per_sequence_tokens_per_s(self) -> float:
         """Mean over sequences of tokens over the time until that sequence finished (its latency)."""
         rates = [s.tokens_per_s for s in self.sequences if s.finished_s > 0]
@@ -140,7 +153,9 @@ class Trace:
             "new_tokens": self.new_tokens,
             "total_s": self.total_s,
             "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
             "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
             "tokens_per_s_per_sequence": self.per_sequence_tokens_per_s(),
             "target_forward_passes": self.target_forward_passes,
         }
@@ -163,9 +178,58 @@ class Trace:
             )
             out.update(lookup_share=sum(d.drafter == LOOKUP for d in drafted) / len(drafted),
                        cost_ratio=self.cost_ratio())
+        if explained := sum(s.explain_s for s in steps):
+            out.update(explain_s=explained)
+        if (gap := self.sigmoid_gap()) is not None:
+            out.update(sigmoid_gap=gap)
         if len(self.sequences) > 1:
             out.update(padding_fraction=self.padding_fraction(), cache_hole_fraction=self.hole_fraction())
         return out
+
+    def sigmoid_gap(self) -> dict[str, float] | None:
+        """How far sigmoid's decisions are from exact's on the same draws, at the positions it examined.
+
+        accepted: drafts sigmoid accepted; exact_would_accept: how many of those exact would have accepted
+        with the same uniform (min(1, p/(l·q)) with softmax p and q); inflation: their difference over the
+        examined drafts; mean_tv / max_tv: total-variation distance of normalized p̂ from p. None unless the
+        trace is a sampled sigmoid run that recorded its distributions.
+        """
+        pairs = []  # (sigmoid accepted, exact would accept) per examined draft
+        tvs = []
+        for d in self.drafted():
+            for ex in d.why:
+                if ex.sigmoid_tv is not None:
+                    tvs.append(ex.sigmoid_tv)
+                if ex.exact_accept_prob is not None and ex.position < d.gamma:
+                    pairs.append((d.outcome[ex.position] == ACCEPTED, d.uniform[ex.position] <= ex.exact_accept_prob))
+        if not pairs:
+            return None
+        accepted = sum(a for a, _ in pairs)
+        exact = sum(a and e for a, e in pairs)
+        disagree = sum(a != e for a, e in pairs)
+        return {"examined": len(pairs), "accepted": accepted, "exact_would_accept": exact,
+                "disagreements": disagree, "inflation": (accepted - exact) / len(pairs),
+                "mean_tv": sum(tvs) / len(tvs) if tvs else 0.0, "max_tv": max(tvs, default=0.0)}
+
+    def until(self, steps: int) -> "Trace":
+        """The trace as it stood after its first `steps` iterations (the page's replay).
+
+        Outputs are rebuilt from the decisions' token texts, which is what the token view shows; the
+        full trace keeps the tokenizer's own decoding."""
+        if steps >= len(self.steps):
+            return self
+        kept = self.steps[:steps]
+        sequences = []
+        for s in self.sequences:
+            decisions = [d for d in s.decisions if d.step < steps]
+            ids = [t for d in decisions for t in d.tokens]
+            text = "".join(t for d in decisions for t in (d.draft_text[: d.n_accepted] + [d.next_text])[: d.emitted])
+            finished = s.finished_s if len(decisions) == len(s.decisions) else 0.0
+            sequences.append(SequenceTrace(s.index, s.label, s.group, s.info, s.prompt_ids, ids, text, decisions,
+                                           s.finish if finished else "", finished))
+        end = kept[-1].end_s if kept else self.prefill_s
+        return Trace(meta=self.meta, sequences=sequences, steps=kept, prefill_s=self.prefill_s,
+                     prefill_passes=self.prefill_passes, total_s=end, schema_version=self.schema_version)
 
     def cost_ratio(self) -> float | None:
         """Measured c (Leviathan et al.): seconds per draft-model forward over the median seconds per target
@@ -354,17 +418,54 @@ def _list(d: dict, key: str, where: str) -> list:
 
 def _from_v2(d: dict) -> Trace:
     top = _typed(d, Trace, "trace", skip={"sequences", "steps"})
-    steps = [StepRecord(**_typed(s, StepRecord, f"step {i}")) for i, s in enumerate(_list(d, "steps", "trace"))]
+    steps = [StepRecord(**_typed(s, StepRecord, f"step {i}", optional={"explain_s"}))
+             for i, s in enumerate(_list(d, "steps", "trace"))]
     sequences = []
     for i, s in enumerate(_list(d, "sequences", "trace")):
         where = f"sequence {i}"
         seq = SequenceTrace(**_typed(s, SequenceTrace, where, skip={"decisions"}))
-        seq.decisions = [Decision(**_typed(x, Decision, f"decision {k} of {where}", optional={"drafter"}))
-                         for k, x in enumerate(_list(s, "decisions", where))]
+        seq.decisions = [_decision(x, f"decision {k} of {where}") for k, x in enumerate(_list(s, "decisions", where))]
         sequences.append(seq)
     if not sequences:
         raise TraceFormatError("malformed trace: 'sequences' is empty")
     return Trace(**top, sequences=sequences, steps=steps)
+
+
+def _decision(x: Any, where: str) -> Decision:
+    fields_ = _typed(x, Decision, where, skip={"why"}, optional={"drafter"})
+    why = [_examined(e, f"why[{i}] of {where}") for i, e in enumerate(_list(x, "why", where))]
+    return Decision(**fields_, why=why)
+
+
+def _optional_float(d: dict, key: str, where: str) -> float | None:
+    value = d.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+        raise TraceFormatError(f"malformed trace: '{key}' in {where} should be null or a number in [0, 1]")
+    return float(value)
+
+
+def _examined(e: Any, where: str) -> Examined:
+    if not isinstance(e, dict):
+        raise TraceFormatError(f"malformed trace: {where} must be a JSON object")
+    position = e.get("position")
+    if not isinstance(position, int) or isinstance(position, bool):
+        raise TraceFormatError(f"malformed trace: 'position' in {where} should be an integer")
+    tops = {k: None if e.get(k) is None and k != "p" else _top_tokens(e.get(k), f"{k} of {where}")
+            for k in ("p", "q", "drawn_from")}
+    return Examined(position=position, **tops, exact_accept_prob=_optional_float(e, "exact_accept_prob", where),
+                    sigmoid_tv=_optional_float(e, "sigmoid_tv", where))
+
+
+def _top_tokens(t: Any, where: str) -> TopTokens:
+    top = TopTokens(**_typed(t, TopTokens, where))
+    if not len(top.ids) == len(top.texts) == len(top.probs) <= MAX_EXPLAIN_TOP:
+        raise TraceFormatError(f"malformed trace: {where} needs ids, texts and probs of one length, at most "
+                               f"{MAX_EXPLAIN_TOP}")
+    if any(not 0 <= v <= 1 for v in top.probs + [top.rest]) or any(not 0 <= i < MAX_INT for i in top.ids):
+        raise TraceFormatError(f"malformed trace: {where} has a probability outside [0, 1] or a negative token id")
+    return top
 
 
 @dataclass
@@ -448,7 +549,7 @@ def _check_consistent(trace: Trace) -> None:
         if step.gamma < 0 or min(step.real_tokens, step.pad_tokens, step.cache_slots, step.cache_holes) < 0 \
                 or step.cache_holes > step.cache_slots:
             raise TraceFormatError(f"malformed trace: step {k} has a negative γ or count, or more holes than slots")
-        if min(step.draft_s, step.target_s, step.verify_s, step.end_s) < 0:
+        if min(step.draft_s, step.target_s, step.verify_s, step.end_s, step.explain_s) < 0:
             raise TraceFormatError(f"malformed trace: step {k} has a negative time")
     for i, seq in enumerate(trace.sequences):
         if seq.index != i:
@@ -484,5 +585,9 @@ def _check_consistent(trace: Trace) -> None:
                 raise TraceFormatError(f"malformed trace: {where} has a probability or uniform outside [0, 1]")
             if any(not 0 <= t < MAX_INT for t in d.draft_ids + [d.next_id]):
                 raise TraceFormatError(f"malformed trace: {where} has a negative token id")
+            positions = [ex.position for ex in d.why]
+            if positions and (positions != sorted(set(positions)) or not 0 <= positions[0] or positions[-1] > d.gamma):
+                raise TraceFormatError(f"malformed trace: {where} explains positions {positions[:8]}; they must "
+                                       f"increase within 0..γ = {d.gamma}")
         if any(not 0 <= t < MAX_INT for t in seq.prompt_ids + seq.output_ids) or seq.finished_s < 0:
             raise TraceFormatError(f"malformed trace: sequence {i} has a negative token id or finish time")

@@ -167,7 +167,7 @@ def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
     path = tmp_path / "trace.json"
     download.value.save_as(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == 3
     trace = Trace.load(path)  # validates every field
     assert trace.new_tokens == 24 and trace.steps
 

@@ -45,7 +45,7 @@ def test_round_trip_is_equal(trace, tmp_path):
     assert loaded == trace
     assert loaded.summary() == trace.summary()
     data = json.loads(path.read_text())
-    assert data["schema_version"] == SCHEMA_VERSION == 2
+    assert data["schema_version"] == SCHEMA_VERSION == 3
     assert data["summary"]["new_tokens"] == 60
     assert [len(s["output_ids"]) for s in data["sequences"]] == [20, 20, 20]
     assert {"output_text", "decisions", "label"} <= set(data["sequences"][0])

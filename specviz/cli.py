@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from . import machine
 from .audio import AudioError, load_audio, windows
-from .compare import compare, hf_assisted_runs, source_runner
+from .compare import compare, hf_assisted_runs, noise, source_runner
 from .config import (DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range,
                      draft_defaults)
 from .gamma import default_policy
@@ -264,22 +264,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         reference = Path(args.reference_file).read_text(encoding="utf-8")
         wer = {name: word_error_rate(reference, trace.output_text) for name, trace in traces.items()}
-    header = (f"{'run':30s} {'tok/s':>7s} {'tok/s/seq':>9s} {'speedup':>8s} {'α':>6s} {'tok/iter':>8s} "
-              f"{'verify ms':>9s}  = target-only" + ("    WER" if wer else ""))
+    header = (f"{'run':30s} {'tok/s':>7s} {'tok/s/seq':>9s} {'speedup':>8s} {'(min–max)':>11s} {'α':>6s} "
+              f"{'tok/iter':>8s} {'verify ms':>9s}  = target-only" + ("    WER" if wer else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r.name:30s} {r.tokens_per_s:7.2f} {r.tokens_per_s_per_sequence:9.2f} {r.speedup:7.2f}× "
+              f"{f'{r.speedup_min:.2f}–{r.speedup_max:.2f}':>11s} "
               f"{_fmt(r.alpha, '6.3f'):>6s} {_fmt(r.tokens_per_iteration, '8.2f'):>8s} "
               f"{_fmt(r.median_verify_ms, '9.2f'):>9s}  {'yes' if r.equals_target_only else 'no ':13s}"
               + (f" {wer[r.name]:6.3f}" if wer else ""))
+    if args.repeat > 1:
+        print(f"\nspeedup: median over {args.repeat} rounds of the per-round ratio; tokens/s varied by up to "
+              f"{100 * noise(rows):.0f}% between rounds")
     dtype = str(pair.dtype).removeprefix("torch.")
     batch = min(args.batch_size, len(source.sequences))
     print(f"\n{names}, {dtype}, {len(source.sequences)} sequences in batches of {batch}, {machine.describe()}")
     if args.json:
         report = {"machine": machine.describe(), "models": names, "dtype": dtype,
                   "inputs": args.inputs or ["sample article"], "sequences": len(source.sequences), "batch_size": batch,
-                  "repeat": args.repeat, "statistic": "median run by wall time, after one untimed warm-up run",
+                  "repeat": args.repeat, "statistic": "tokens/s: the median run by wall time; speedup: the median of per-round ratios to "
+                  "target-only; after one untimed warm-up run", "noise": noise(rows),
                   "config": cfg.to_dict(), "rows": [{**r.as_dict(), **({"wer": wer[r.name]} if wer else {})} for r in rows],
                   "runs": {name: trace.summary() for name, trace in traces.items()}}
         Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -20,9 +21,9 @@ from .trace import SequenceTrace, Trace
 @dataclass
 class Row:
     name: str
-    tokens_per_s: float  # all sequences' tokens over the run's wall time
+    tokens_per_s: float  # the median round's: all sequences' tokens over the run's wall time
     tokens_per_s_per_sequence: float  # mean over sequences of tokens over the time until it finished
-    speedup: float  # tokens/s over target-only's, same input, batch and seed
+    speedup: float  # median over rounds of tokens/s over target-only's in the same round (same input and seed)
     alpha: float | None
     tokens_per_iteration: float | None
     median_verify_ms: float | None
@@ -30,18 +31,26 @@ class Row:
     new_tokens: int
     total_s: float
     output_text: str
+    tokens_per_s_runs: list[float]  # one per round, in round order
+    speedup_min: float  # the lowest and highest per-round speedups: the spread of `speedup`
+    speedup_max: float
+    decode_tokens_per_s: float  # the median round's tokens over its decoding time (prefill left out)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def _row(name: str, trace: Trace, reference: Trace) -> Row:
+def _row(name: str, runs: list[Trace], references: list[Trace]) -> Row:
+    """One row from a run's rounds; round r's speedup divides by target-only's round r."""
+    trace = _median_trace(runs)
     s = trace.summary()
+    ratios = sorted(t.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0 for t, ref in zip(runs, references))
+    reference = _median_trace(references)
     return Row(
         name=name,
         tokens_per_s=trace.tokens_per_s,
         tokens_per_s_per_sequence=trace.per_sequence_tokens_per_s(),
-        speedup=trace.tokens_per_s / reference.tokens_per_s if reference.tokens_per_s else 0.0,
+        speedup=statistics.median(ratios),
         alpha=s.get("alpha"),
         tokens_per_iteration=s.get("tokens_per_iteration"),
         median_verify_ms=s.get("median_verify_ms"),
@@ -49,7 +58,19 @@ def _row(name: str, trace: Trace, reference: Trace) -> Row:
         new_tokens=trace.new_tokens,
         total_s=trace.total_s,
         output_text=trace.output_text,
+        tokens_per_s_runs=[t.tokens_per_s for t in runs],
+        speedup_min=ratios[0],
+        speedup_max=ratios[-1],
+        decode_tokens_per_s=trace.decode_tokens_per_s,
     )
+
+
+def noise(rows: list[Row]) -> float:
+    """How noisy a comparison is: the largest (max − min) / median of tokens/s over rounds among its rows
+    (0 with one round)."""
+    spreads = [(max(r.tokens_per_s_runs) - min(r.tokens_per_s_runs)) / statistics.median(r.tokens_per_s_runs)
+               for r in rows if r.tokens_per_s_runs and statistics.median(r.tokens_per_s_runs) > 0]
+    return max(spreads, default=0.0)
 
 
 @torch.inference_mode()
@@ -127,8 +148,7 @@ def compare(
             stage(name if repeat == 1 else f"{name} ({r + 1}/{repeat})")
             traces.setdefault(name, []).append(job())
     chosen = {name: _median_trace(runs) for name, runs in traces.items()}
-    reference = chosen["target-only"]
-    rows = [_row(name, trace, reference) for name, trace in chosen.items()]
+    rows = [_row(name, runs, traces["target-only"]) for name, runs in traces.items()]
     return rows, chosen
 
 

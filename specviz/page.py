@@ -7,24 +7,28 @@ app.py lays the page out and wires events to these functions. Each browser sessi
 from __future__ import annotations
 
 import dataclasses
-import html
+import hashlib
 import json
 import os
 import queue
 import re
+import secrets
+import shutil
+import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
-from . import viz
+from . import report, viz
 from .audio import load_audio
-from .compare import compare, source_runner
-from .config import SamplingConfig, SpecConfig, default_sigmoid_range, draft_defaults
+from .compare import compare, hf_assisted_runs, noise, source_runner
+from .config import MODES, SamplingConfig, SpecConfig, default_sigmoid_range, draft_defaults
 from .engine import Source
 from .gamma import default_policy
 from .models import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
@@ -43,8 +47,8 @@ class Settings:
     """The page's controls, as plain values."""
 
     mode: str = "exact"
-    decoding: str = "greedy"  # greedy | sample
-    temperature: float = 1.0
+    decoding: str = "sample"  # sample | greedy: sampling by default, so p, q and the uniforms mean something
+    temperature: float = 0.8
     top_k: int = 0
     top_p: float = 1.0
     gamma_policy: str = "auto"  # auto: bass for a batch, hf for one sequence
@@ -79,6 +83,37 @@ class Settings:
             draft_vocab=drafts.draft_vocab if self.draft_vocab == "auto" else int(self.draft_vocab),
             lookup_ngram=int(self.lookup_ngram) or drafts.lookup_ngram,
         )
+
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> "Settings":
+        """The settings a trace was made with (meta["page_settings"], written by the page); from a trace of
+        another origin, what its config says. Values of the wrong type are ignored (a trace is untrusted)."""
+        saved = meta.get("page_settings")
+        if isinstance(saved, dict):
+            values = {}
+            for f in dataclasses.fields(cls):
+                value, default = saved.get(f.name), f.default
+                if default is None:
+                    ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+                else:
+                    ok = isinstance(value, type(default)) and not isinstance(value, bool) or (
+                        isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool))
+                if ok:
+                    values[f.name] = value
+            return cls(**values)
+        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        sampling = config.get("sampling") if isinstance(config.get("sampling"), dict) else {}
+        values = {"mode": meta.get("mode"), "max_new_tokens": config.get("max_new_tokens"), "seed": config.get("seed"),
+                  "gamma_policy": config.get("gamma_policy"), "temperature": sampling.get("temperature"),
+                  "top_k": sampling.get("top_k"), "top_p": sampling.get("top_p"), "lenience": config.get("lenience")}
+        kept = {k: v for k, v in values.items() if v is not None and isinstance(v, type(getattr(cls(), k)))
+                and not isinstance(v, bool)}
+        if kept.get("mode") not in MODES:
+            kept.pop("mode", None)
+        if kept.get("temperature") == 0:
+            kept.update(decoding="greedy", temperature=cls.temperature)
+        return cls(**kept)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -150,37 +185,102 @@ def device_summary() -> str:
     return f"CPU ({torch.get_num_threads()} threads) · verification: torch path"
 
 
-def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any]) -> Iterator[tuple[Trace, bool]]:
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+class StopFlag:
+    """Set by the page's Stop button, a closed browser session, or a consumer that went away; read by the
+    decoding thread between iterations. A threading.Event makes that hand-over safe; `reason` is written
+    before the event is set and read only after it is seen set."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def stop(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+class Stops:
+    """The current run's StopFlag of each browser session. Gradio runs the Stop and unload handlers in
+    other threads than the run; the lock guards only this table."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flags: dict[str, StopFlag] = {}
+
+    def start(self, session: str) -> StopFlag:
+        flag = StopFlag()
+        with self._lock:
+            self._flags[session] = flag
+        return flag
+
+    def stop(self, session: str, reason: str) -> bool:
+        with self._lock:
+            flag = self._flags.get(session)
+        if flag is None:
+            return False
+        flag.stop(reason)
+        return True
+
+    def end(self, session: str, flag: StopFlag) -> None:
+        with self._lock:
+            if self._flags.get(session) is flag:
+                del self._flags[session]
+
+
+def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag,
+              target_only: bool = False) -> Iterator[tuple[Trace, bool]]:
     """Decode in a worker thread; yield (trace so far, finished) as iterations arrive.
 
     The worker only produces immutable records and puts them on a queue; this generator, in the page's
-    thread, owns the TraceBuilder, so the trace it yields is never touched by another thread.
+    thread, owns the TraceBuilder, so the trace it yields is never touched by another thread. When `stop` is
+    set (or this generator is closed) the worker ends after the iteration it is in and releases the models'
+    caches; the trace then ends there, marked stopped.
     """
     updates: queue.Queue = queue.Queue()
-    builder = builder_for(source, cfg, meta=meta)
+    builder = builder_for(source, cfg, target_only=target_only, meta=meta)
 
     def work() -> None:
+        events = records(source, cfg, target_only=target_only)
+        iterations = 0
         try:
-            for event in records(source, cfg):
+            for event in events:
+                if stop.is_set():
+                    print(f"specviz: run stopped after {iterations} iterations ({stop.reason})", file=sys.stderr,
+                          flush=True)
+                    break
+                iterations += isinstance(event, Iteration)
                 updates.put(event)
         except BaseException as e:  # re-raised in the page's thread, where the page reports it
             updates.put(_Failure(e))
         finally:
+            events.close()  # drops the KV caches now, not when the generator is collected
             updates.put(None)
 
     threading.Thread(target=work, daemon=True).start()
-    while (item := updates.get()) is not None:
-        if isinstance(item, _Failure):
-            raise item.error
-        builder.add(item)
-        if isinstance(item, Iteration):
-            yield builder.trace, False
-    yield builder.trace, True
-
-
-@dataclass(frozen=True)
-class _Failure:
-    error: BaseException
+    ended = False
+    try:
+        while (item := updates.get()) is not None:
+            if isinstance(item, _Failure):
+                raise item.error
+            builder.add(item)
+            if isinstance(item, Iteration):
+                yield builder.trace, False
+        ended = True
+        if stop.is_set():
+            builder.trace.meta["stopped"] = True
+        yield builder.trace, True
+    finally:
+        if not ended:  # closed early (an error, or Gradio dropped the stream): the worker must not go on
+            stop.stop("the page stopped reading the run")
 
 
 def _article_source(models: ModelCache, article: str, settings: Settings, cfg: SpecConfig,
@@ -205,99 +305,116 @@ def _speech_source(models: ModelCache, audio_path: str | None, settings: Setting
     return SpeechSource(pair, [(Path(audio_path).name, audio)], draft_vocab=cfg.draft_vocab)
 
 
-def stream_summary(models: ModelCache, article: str, settings: Settings, progress: Progress) -> Iterator[tuple[Trace, bool]]:
-    cfg = settings.spec(TEXT)
-    source = _article_source(models, article, settings, cfg, progress)
-    return _streamed(source, cfg, {"input": article})
-
-
-def stream_transcript(models: ModelCache, audio_path: str | None, settings: Settings, progress: Progress,
-                      reference: str = "") -> Iterator[tuple[Trace, bool]]:
-    from .asr import word_error_rate
-
-    cfg = settings.spec(SPEECH)
-    source = _speech_source(models, audio_path, settings, cfg, progress)
-    for trace, done in _streamed(source, cfg, {"input": Path(audio_path).name}):
-        if done and reference.strip():
-            trace.meta["reference"] = reference
-            trace.meta["wer"] = word_error_rate(reference, trace.output_text)
-        yield trace, done
-
-
-def compare_modes(models: ModelCache, task: str, source: str | None, settings: Settings, progress: Progress,
-                  on_stage: Callable[[str], None]) -> tuple[list[dict], dict[str, Trace]]:
-    """Target-only, baseline, exact and sigmoid on the same input, batch and seed."""
-    cfg = settings.spec(task)
+def _source(models: ModelCache, task: str, source_input: str | None, settings: Settings, cfg: SpecConfig,
+            progress: Progress) -> Source:
     if task == TEXT:
-        decoded = _article_source(models, source, settings, cfg, progress)
+        return _article_source(models, source_input or "", settings, cfg, progress)
+    return _speech_source(models, source_input, settings, cfg, progress)
+
+
+def stream_run(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
+               stop: StopFlag) -> Iterator[tuple[Trace, bool]]:
+    """One run of the page: text (source_input is the article) or speech (a path to the audio)."""
+    cfg = settings.spec(task)
+    source = _source(models, task, source_input, settings, cfg, progress)
+    shown = source_input if task == TEXT else Path(source_input).name
+    meta = {"input": shown, "page_settings": dataclasses.asdict(settings)}
+    return _streamed(source, cfg, meta, stop)
+
+
+class References:
+    """Target-only runs by input and settings, kept so that a run's measured speedup reuses the reference
+    of an identical earlier run instead of decoding it again. Shared by all sessions: the lock guards the
+    table, and a stored trace is never modified afterwards."""
+
+    def __init__(self, capacity: int = 16):
+        self._lock = threading.Lock()
+        self._runs: OrderedDict[tuple, tuple[Trace, float]] = OrderedDict()
+        self.capacity = capacity
+
+    @staticmethod
+    def key(task: str, source_input: str | None, settings: Settings) -> tuple:
+        """What target-only's output and speed depend on (nothing about the draft or verification)."""
+        if task == TEXT:
+            what = hashlib.sha256((source_input or "").encode("utf-8", "replace")).hexdigest()
+        else:
+            stat = Path(source_input or "").stat()
+            what = (str(Path(source_input or "").resolve()), stat.st_size, stat.st_mtime_ns)
+        sampling = settings.spec(task).sampling
+        return (task, what, settings.target, sampling, settings.max_new_tokens, settings.seed, settings.sequences)
+
+    def get(self, key: tuple) -> tuple[Trace, float] | None:
+        with self._lock:
+            if key in self._runs:
+                self._runs.move_to_end(key)
+            return self._runs.get(key)
+
+    def put(self, key: tuple, trace: Trace) -> float:
+        at = time.time()
+        with self._lock:
+            self._runs[key] = (trace, at)
+            while len(self._runs) > self.capacity:
+                self._runs.popitem(last=False)
+        return at
+
+
+def measure_reference(models: ModelCache, references: References, task: str, source_input: str | None,
+                      settings: Settings, progress: Progress, stop: StopFlag) -> dict[str, Any] | None:
+    """Target-only on the same input and settings (or an identical earlier one's): what the trace keeps
+    about it as meta["target_only"]. None when stopped."""
+    key = References.key(task, source_input, settings)
+    if (known := references.get(key)) is not None:
+        return report.reference_meta(known[0], reused=True, measured_at=known[1])
+    cfg = settings.spec(task)
+    source = _source(models, task, source_input, settings, cfg, progress)
+    trace = None
+    for trace, done in _streamed(source, cfg, {}, stop, target_only=True):
+        if not done:
+            progress(f"target-only reference: {trace.new_tokens} tokens", None)
+    if trace is None or trace.meta.get("stopped"):
+        return None
+    return report.reference_meta(trace, reused=False, measured_at=references.put(key, trace))
+
+
+def compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
+                  on_stage: Callable[[str], None], rounds: int = 3, with_hf: bool = False
+                  ) -> tuple[list[dict], dict[str, Trace], str]:
+    """Target-only, baseline, exact and sigmoid (and transformers' assisted generation when asked, text
+    with one sequence) on the same input, batch and seed, in `rounds` interleaved rounds. Returns the rows,
+    the median run of each, and a note on what the numbers mean and how noisy they were."""
+    if not 1 <= rounds <= 10:
+        raise InputError(f"a comparison runs 1 to 10 rounds, not {rounds}")
+    cfg = settings.spec(task)
+    decoded = _source(models, task, source_input, settings, cfg, progress)
+    extra = {}
+    if with_hf:
+        if task != TEXT or settings.sequences != 1:
+            raise InputError("transformers' assisted generation is compared on text with one sequence")
+        pair = models.text(settings.draft, settings.target, progress)
+        extra = {"hf-assisted": hf_assisted_runs(pair, decoded.sequences[0].prompt_ids, cfg)["hf-assisted"]}
+    rows, traces = compare(source_runner(decoded), dataclasses.replace(cfg, mode="exact"), extra=extra,
+                           repeat=rounds, on_stage=on_stage)
+    for trace in traces.values():
+        trace.meta.setdefault("page_settings", dataclasses.asdict(dataclasses.replace(
+            settings, mode=trace.meta.get("mode") if trace.meta.get("mode") in MODES else settings.mode)))
+        trace.meta.setdefault("input", source_input if task == TEXT else Path(source_input).name)
+    decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
+    note = report.compare_note([r.as_dict() for r in rows], rounds, noise(rows), decoding)
+    drift = report.sigmoid_drift(traces)
+    return [r.as_dict() for r in rows], traces, note + ("  \n" + drift if drift else "")
+
+
+def score(trace: Trace, task: str, reference: str) -> None:
+    """Against a reference the user typed: ROUGE-1 for a summary, WER for a transcript (kept in meta)."""
+    if not reference.strip():
+        return
+    trace.meta["reference"] = reference
+    if task == TEXT:
+        trace.meta["rouge1"] = rouge1(reference, trace.output_text)
     else:
-        decoded = _speech_source(models, source, settings, cfg, progress)
-    rows, traces = compare(source_runner(decoded), dataclasses.replace(cfg, mode="exact"), on_stage=on_stage)
-    return [r.as_dict() for r in rows], traces
+        from .asr import word_error_rate
 
-
-def sigmoid_drift(rows: list[dict], traces: dict[str, Trace]) -> str:
-    """How far sigmoid strays from exact on this input: output agreement and acceptance inflation."""
-    exact, sigmoid = traces.get("exact"), traces.get("sigmoid")
-    if not exact or not sigmoid:
-        return ""
-    a_ids = [t for ids in exact.outputs for t in ids]
-    b_ids = [t for ids in sigmoid.outputs for t in ids]
-    same = sum(a == b for a, b in zip(a_ids, b_ids))
-    n = max(len(a_ids), len(b_ids), 1)
-    first_diff = next((i for i, (a, b) in enumerate(zip(a_ids, b_ids)) if a != b), None)
-    ra, rb = exact.acceptance_rate() or 0.0, sigmoid.acceptance_rate() or 0.0
-    return (f"**sigmoid vs exact**: {same}/{n} output tokens identical"
-            + (f" (first difference at token {first_diff})" if first_diff is not None else "")
-            + f"; acceptance rate {rb:.3f} vs {ra:.3f} ({rb - ra:+.3f}).")
-
-
-def _number(meta: dict, key: str) -> float | None:
-    value = meta.get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def summary_markdown(trace: Trace) -> str:
-    s = trace.summary()
-    lines = [f"**{html.escape(str(s['mode']))}** · {s['new_tokens']} tokens in {s['total_s']:.2f} s "
-             f"(prefill {s['prefill_s']:.2f} s) · **{s['tokens_per_s']:.2f} tokens/s** · "
-             f"{s['target_forward_passes']} target forward passes"]
-    if s["sequences"] > 1:
-        line = (f"{s['sequences']} sequences, batch of {trace.batch_size} · {s['tokens_per_s_per_sequence']:.2f} tokens/s "
-                f"per sequence (each sequence's tokens over the time until it finished)")
-        if s.get("padding_fraction") is not None:
-            line += (f" · raggedness: {100 * s['padding_fraction']:.1f}% of the tokens fed were padding, "
-                     f"{100 * (s.get('cache_hole_fraction') or 0):.1f}% of KV-cache entries were masked holes")
-        lines.append(line)
-    if "alpha" in s:
-        lines.append(f"α ≈ {s['alpha']:.3f} · acceptance rate {s['acceptance_rate']:.3f} · tokens/iteration per sequence "
-                     f"{s['tokens_per_iteration']:.2f} (Leviathan predicts {s['predicted_tokens_per_iteration']:.2f}) · "
-                     f"median verify {s['median_verify_ms']:.2f} ms")
-    if (wer := _number(trace.meta, "wer")) is not None:
-        lines.append(f"WER against the reference: {wer:.3f}")
-    if (rouge := _number(trace.meta, "rouge1")) is not None:
-        lines.append(f"ROUGE-1 F against the reference: {rouge:.3f}")
-    names = {k: html.escape(str(trace.meta.get(k)))[:200] for k in ("draft", "target", "device", "dtype")}
-    lines.append(f"draft {names['draft']} → target {names['target']} on {names['device']}, {names['dtype']}")
-    if "alpha" in s:
-        lines.append(draft_line(trace, s))
-    return "  \n".join(lines)
-
-
-def draft_line(trace: Trace, s: dict[str, Any]) -> str:
-    """Which draft ran, the vocabulary its head scored, and what a draft step cost against a target call."""
-    config = trace.meta.get("config", {})
-    kind = str(config.get("draft_kind", "model"))
-    vocab, size = _number(trace.meta, "vocab_size"), _number(trace.meta, "draft_vocab_size")
-    parts = [f"drafted by {html.escape(kind)[:40]}"]
-    if s.get("lookup_share") and kind != "lookup":
-        parts.append(f"prompt lookup drafted {100 * s['lookup_share']:.0f}% of the proposals")
-    if kind != "lookup" and size is not None and vocab is not None:
-        parts.append(f"draft head over {int(size):,} of {int(vocab):,} tokens" if size < vocab
-                     else f"draft head over all {int(vocab):,} tokens")
-    if s.get("cost_ratio") is not None:
-        parts.append(f"measured c = {s['cost_ratio']:.2f} (seconds per draft step / per target call)")
-    return " · ".join(parts)
+        trace.meta["wer"] = word_error_rate(reference, trace.output_text)
 
 
 def rouge1(reference: str, summary: str) -> float:
@@ -306,16 +423,21 @@ def rouge1(reference: str, summary: str) -> float:
     return rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True).score(reference, summary)["rouge1"].fmeasure
 
 
-def figures(trace: Trace) -> dict[str, Any]:
+def figures(trace: Trace, upto: int | None = None) -> dict[str, Any]:
+    """Everything the page draws from a trace; `upto`: as it stood after that many iterations (replay)."""
+    shown = trace.until(upto) if upto is not None else trace
+    speedup = report.measured_speedup(trace) if shown is trace else None
     return {
-        "tokens": viz.token_html(trace),
-        "gamma": viz.gamma_figure(trace),
-        "acceptance": viz.acceptance_figure(trace),
-        "timing": viz.timing_figure(trace),
-        "theory": viz.theory_figure(trace),
-        "batch": viz.batch_figure(trace),
-        "summary": summary_markdown(trace),
-        "output": trace.output_text,
+        "tokens": viz.token_html(trace, upto=upto),
+        "gamma": viz.gamma_figure(trace, upto=upto),
+        "acceptance": viz.acceptance_figure(trace, upto=upto),
+        "timing": viz.timing_figure(trace, upto=upto),
+        "verify": viz.verify_figure(trace, upto=upto),
+        "theory": viz.theory_figure(trace, upto=upto, measured_speedup=speedup["decode"] if speedup else None),
+        "batch": viz.batch_figure(trace, upto=upto),
+        "summary": report.summary_markdown(shown),
+        "warning": report.sigmoid_warning(shown),
+        "output": shown.output_text,
     }
 
 
@@ -323,25 +445,34 @@ EXPORT_DIR = Path(tempfile.gettempdir()) / "specviz-exports"
 EXPORTS_KEPT = 64  # the newest exports stay downloadable; older ones are deleted so the disk does not fill
 
 
-def export(trace: Trace) -> str:
-    """Write the trace as indented JSON for a download, named after its mode and time; returns the path.
+def export_name(trace: Trace) -> str:
+    """specviz-<task>-<mode>-<YYYYmmdd-HHMM>.json, from the trace's own (untrusted) meta, made safe."""
+    def safe(value: Any, fallback: str) -> str:
+        return "".join(c for c in str(value) if c.isalnum() or c == "-")[:20] or fallback
 
-    Written to a temporary name and renamed when complete, so a failed export leaves no partial file.
+    return f"specviz-{safe(trace.meta.get('task'), 'run')}-{safe(trace.meta.get('mode'), 'run')}-" \
+           f"{time.strftime('%Y%m%d-%H%M')}.json"
+
+
+def export(trace: Trace) -> str:
+    """Write the trace as indented JSON for a download; returns the path.
+
+    Each export gets its own directory, so that two exports in one minute keep their readable name. Written
+    to a temporary name and renamed when complete, so a failed export leaves no partial file.
     """
     EXPORT_DIR.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    mode = "".join(c for c in str(trace.meta.get("mode", "run")) if c.isalnum() or c == "-")[:20] or "run"
-    handle = tempfile.NamedTemporaryFile("w", suffix=".part", prefix=f"specviz-{mode}-{stamp}-", dir=EXPORT_DIR,
-                                         delete=False, encoding="utf-8")
+    folder = EXPORT_DIR / secrets.token_hex(8)
+    folder.mkdir()
+    final = folder / export_name(trace)
+    partial = final.with_suffix(".part")
     try:
-        with handle:
-            json.dump(trace.to_dict(), handle, ensure_ascii=False, allow_nan=False, indent=1)
-        final = Path(handle.name).with_suffix(".json")
-        os.replace(handle.name, final)
+        with open(partial, "w", encoding="utf-8") as handle:
+            json.dump(trace.to_dict(), handle, ensure_ascii=False, allow_nan=False, indent=2)
+        os.replace(partial, final)
     except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
         raise
-    old = sorted(EXPORT_DIR.glob("specviz-*.json"), key=lambda p: p.stat().st_mtime)[:-EXPORTS_KEPT]
+    old = sorted((d for d in EXPORT_DIR.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)[:-EXPORTS_KEPT]
     for path in old:
-        path.unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
     return str(final)

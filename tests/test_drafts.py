@@ -203,7 +203,7 @@ def test_subset_draft_output_follows_the_target(mode, int8, sampling):
 
 
 def test_summary_and_page_say_which_draft_ran(tiny_pair):
-    from specviz.page import summary_markdown
+    from specviz.report import summary_markdown
 
     prompts = _repeating_prompts()
     mixed = decode(tiny_pair, prompts, SpecConfig(draft_kind="lookup+model", draft_vocab=3000, max_new_tokens=20))

@@ -4,6 +4,8 @@ what is not a trace this version can read."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -153,15 +155,19 @@ def test_export_is_complete_or_absent(trace, monkeypatch, tmp_path):
 
     monkeypatch.setattr(page, "EXPORT_DIR", tmp_path / "exports")
     monkeypatch.setattr(page, "EXPORTS_KEPT", 3)
-    path = page.export(trace)
-    assert Trace.load(path) == trace and "specviz-exact-" in path and path.endswith(".json")
+    path = Path(page.export(trace))
+    assert Trace.load(path) == trace
+    assert re.fullmatch(r"specviz-summarize-exact-\d{8}-\d{4}\.json", path.name), path.name
+    assert path.read_text().startswith('{\n  "meta"')  # pretty-printed for people who open it
     broken = Trace(meta={"mode": "exact", "bad": object()}, sequences=trace.sequences, steps=trace.steps)
     with pytest.raises(TypeError):
         page.export(broken)
+    hostile = Trace(meta={"mode": "../../x y", "task": "<b>"}, sequences=trace.sequences, steps=trace.steps)
+    assert Path(page.export(hostile)).name.startswith("specviz-b-xy-")
     for _ in range(5):
         page.export(trace)
-    files = list((tmp_path / "exports").iterdir())
-    assert len(files) == 3 and all(f.suffix == ".json" for f in files)
+    folders = list((tmp_path / "exports").iterdir())
+    assert len(folders) == 3 and all([f.suffix for f in d.iterdir()] == [".json"] for d in folders)
 
 
 def test_loads_refuses_what_cannot_be_written_back(trace):

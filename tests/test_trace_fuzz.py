@@ -11,7 +11,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from specviz import page
+from specviz import page, report
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.trace import Trace, TraceFormatError
 
@@ -141,13 +141,18 @@ def test_trace_fuzz(bases, capsys):
             continue
         counts["loaded"] += 1
         try:
-            drawn = page.figures(trace) if i % 4 == 0 else {"tokens": page.viz.token_html(trace),
-                                                            "summary": page.summary_markdown(trace)}
+            drawn = page.figures(trace, upto=1 if i % 8 == 0 else None) if i % 4 == 0 else {
+                "tokens": page.viz.token_html(trace), "summary": report.summary_markdown(trace),
+                "warning": report.sigmoid_warning(trace)}
+            d = trace.decisions()[i % len(trace.decisions())] if trace.decisions() else None
+            why = "".join(page.viz.why_html(trace, d.step, d.sequence, k) for k in range(d.gamma + 1)) if d else ""
             json.dumps(trace.to_dict(), ensure_ascii=False, allow_nan=False).encode("utf-8")
         except Exception as e:  # noqa: BLE001
             crashes.append((i, "draw/export", repr(e)[:200]))
             continue
-        extra = injected(drawn["tokens"], {"div", "span"}, {"class", "title"}) | injected(drawn["summary"], set(), set())
+        extra = (injected(drawn["tokens"], {"div", "span"}, {"class", "title", "data-step", "data-seq", "data-pos"})
+                 | injected(drawn["summary"], set(), set()) | injected(drawn["warning"], {"div", "b"}, {"class", "role"})
+                 | injected(why, {"div", "span", "br", "b"}, {"class", "style", "title"}))
         if extra:
             injections.append((i, sorted(extra)))
     with capsys.disabled():

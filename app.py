@@ -37,6 +37,10 @@ CSS = TOKEN_CSS + WHY_CSS + """
 # asks the server for that token's explanation (the nonce makes a second click on the same token count).
 CLICK_JS = """() => {
   document.addEventListener('click', (event) => {
+    // on a phone the results sit below the controls: bring the status line into view when a run starts
+    if (event.target.closest('#run-button, #compare-button') && window.innerWidth < 700) {
+      setTimeout(() => document.querySelector('#status')?.scrollIntoView({behavior: 'smooth'}), 100);
+    }
     const token = event.target.closest('.sv-click');
     const box = document.querySelector('#why-select textarea, #why-select input');
     if (!token || !box) return;
@@ -102,15 +106,13 @@ def build(models: page.ModelCache) -> gr.Blocks:
             with gr.Column(scale=2, min_width=340):
                 with gr.Tabs():
                     with gr.Tab("Summarize", id="tab-summarize", elem_id="tab-summarize") as tab_text:
-                        article = gr.Textbox(sample_article(), label="Article", lines=5, max_lines=8,
+                        article = gr.Textbox(sample_article(), label="Article", lines=4, max_lines=8,
                                              elem_id="article-input", placeholder="Paste an article to summarize…")
                         with gr.Row():
                             sample_text_btn = gr.Button("Load the sample article", elem_id="sample-article-button",
                                                         size="sm")
                             sequences = gr.Slider(1, 8, value=1, step=1, elem_id="num-sequences",
                                                   label="Sequences (samples decoded together as one batch)")
-                        reference_summary = gr.Textbox(label="Reference summary (optional, for ROUGE-1)", lines=1,
-                                                       elem_id="reference-summary")
                     with gr.Tab("Transcribe", id="tab-transcribe", elem_id="tab-transcribe") as tab_speech:
                         audio = gr.Audio(label="Audio", type="filepath", sources=["upload", "microphone"],
                                          elem_id="audio-input")
@@ -118,7 +120,11 @@ def build(models: page.ModelCache) -> gr.Blocks:
                             sample_audio_btn = gr.Button("Load the sample clip", elem_id="sample-audio-button",
                                                          size="sm")
                             reference_transcript = gr.Textbox(label="Reference transcript (optional, for WER)",
-                                                              lines=1, elem_id="reference-transcript")
+                                                              lines=1, elem_id="reference-transcript", scale=2)
+                with gr.Row():
+                    run_btn = gr.Button("Run", variant="primary", elem_id="run-button")
+                    stop_btn = gr.Button("Stop", variant="stop", interactive=False, elem_id="stop-button")
+                    compare_btn = gr.Button("Compare all modes", elem_id="compare-button")
                 mode = gr.Radio(list(MODES), value="exact", label="Verification mode", elem_id="mode-select",
                                 info="exact and baseline keep the target's distribution (baseline: transformers' "
                                      "algorithm); sigmoid is Wagner et al.'s faster approximation")
@@ -139,16 +145,15 @@ def build(models: page.ModelCache) -> gr.Blocks:
                                       label="Measure the speedup against target-only (runs it once per input and "
                                             "settings, then reuses it)")
                 with gr.Row():
-                    run_btn = gr.Button("Run", variant="primary", elem_id="run-button")
-                    stop_btn = gr.Button("Stop", variant="stop", interactive=False, elem_id="stop-button")
-                    compare_btn = gr.Button("Compare all modes", elem_id="compare-button")
-                with gr.Row():
                     rounds = gr.Slider(1, 5, value=3, step=1, label="Compare: interleaved rounds",
                                        elem_id="compare-rounds")
                     with_hf = gr.Checkbox(False, label="Compare: add transformers' assisted generation (text, one "
                                                        "sequence)", elem_id="compare-hf")
-                with gr.Accordion("More: sigmoid range, lenience, drafts, models", open=False,
+                with gr.Accordion("More: sigmoid range, lenience, drafts, models, references", open=False,
                                   elem_id="more-settings"):
+                    with gr.Row():
+                        reference_summary = gr.Textbox(label="Reference summary (optional, for ROUGE-1)", lines=1,
+                                                       elem_id="reference-summary")
                     with gr.Row():
                         alpha = gr.Number(None, label="sigmoid range low (Wagner's α; 0: −10⁴ text, −10³ speech)",
                                           elem_id="sigmoid-alpha")
@@ -165,8 +170,8 @@ def build(models: page.ModelCache) -> gr.Blocks:
                              ("prompt lookup, else the draft model", "lookup+model")],
                             value="auto", label="Who drafts", elem_id="draft-kind")
                         draft_vocab = gr.Dropdown(
-                            [("auto", "auto"), ("all tokens", "0"), *[(f"{k:,} + specials + prompt", str(k))
-                                                                      for k in (4096, 8192, 16384, 32768, 65536)]],
+                            [("auto", "auto"), ("all tokens", "0"), *[(f"{int(k):,} + specials + prompt", k)
+                                                                      for k in page.DRAFT_VOCAB_CHOICES[2:]]],
                             value="auto", label="Draft head vocabulary (q = 0 elsewhere; stays exact)",
                             elem_id="draft-vocab")
                         lookup_ngram = gr.Slider(0, 5, value=0, step=1, elem_id="lookup-ngram",
@@ -193,17 +198,20 @@ def build(models: page.ModelCache) -> gr.Blocks:
                         gr.Markdown("Each line is one iteration: accepted drafts green, the rejected draft red and "
                                     "struck through, the verifier's resampled token blue, the bonus token purple, drafts "
                                     "after a rejection grey. **Click a token** for the distributions behind its fate.")
-                        with gr.Row(equal_height=False):
-                            token_view = gr.HTML(elem_id="token-view", min_height=120)
-                            why_panel = gr.HTML('<div class="sv-why">Run, then click a token here to see why '
-                                                'verification kept, rejected or drew it.</div>', elem_id="why-panel")
+                        with gr.Row(equal_height=False):  # side by side when wide, stacked on a phone
+                            with gr.Column(scale=3, min_width=320):
+                                token_view = gr.HTML(elem_id="token-view", min_height=120)
+                            with gr.Column(scale=2, min_width=300):
+                                why_panel = gr.HTML('<div class="sv-why">Run, then click a token here to see why '
+                                                    'verification kept, rejected or drew it.</div>', elem_id="why-panel")
                         why_select = gr.Textbox(elem_id="why-select", show_label=False, container=False)
-                        gamma_plot = gr.Plot(elem_id="gamma-plot", show_label=False)
-                        timing_plot = gr.Plot(elem_id="timing-plot", show_label=False)
-                        verify_plot = gr.Plot(elem_id="verify-plot", show_label=False)
-                        acceptance_plot = gr.Plot(elem_id="acceptance-plot", show_label=False)
-                        theory_plot = gr.Plot(elem_id="theory-plot", show_label=False)
-                        batch_plot = gr.Plot(elem_id="batch-plot", show_label=False)
+                        # hidden until there is a run to draw: empty plot frames only push the results down
+                        gamma_plot = gr.Plot(elem_id="gamma-plot", show_label=False, visible=False)
+                        timing_plot = gr.Plot(elem_id="timing-plot", show_label=False, visible=False)
+                        verify_plot = gr.Plot(elem_id="verify-plot", show_label=False, visible=False)
+                        acceptance_plot = gr.Plot(elem_id="acceptance-plot", show_label=False, visible=False)
+                        theory_plot = gr.Plot(elem_id="theory-plot", show_label=False, visible=False)
+                        batch_plot = gr.Plot(elem_id="batch-plot", show_label=False, visible=False)
                     with gr.Tab("Compare modes", id="compare-results"):
                         compare_note = gr.Markdown("Press **Compare all modes**: target-only, baseline, exact and "
                                                    "sigmoid on the same input and seed, in interleaved rounds.",
@@ -231,8 +239,11 @@ def build(models: page.ModelCache) -> gr.Blocks:
 
         def views(trace: Trace, upto: int | None = None) -> list:
             f = page.figures(trace, upto)
-            return [f["output"], f["summary"], f["warning"], f["tokens"], f["gamma"], f["acceptance"], f["timing"],
-                    f["verify"], f["theory"], f["batch"]]
+            drafted = bool(trace.drafted())  # a target-only run has no γ, acceptance or verification to plot
+            plots = [gr.Plot(f[k], visible=drafted or k == "timing")
+                     for k in ("gamma", "acceptance", "timing", "verify", "theory")]
+            return [f["output"], f["summary"], f["warning"], f["tokens"], *plots,
+                    gr.Plot(f["batch"], visible=len(trace.sequences) > 1)]
 
         def replay_at_end(trace: Trace):
             n = len(trace.steps)

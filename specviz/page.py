@@ -28,7 +28,7 @@ import torch
 from . import report, viz
 from .audio import load_audio
 from .compare import compare, hf_assisted_runs, noise, source_runner
-from .config import MODES, SamplingConfig, SpecConfig, default_sigmoid_range, draft_defaults
+from .config import DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range, draft_defaults
 from .engine import Source
 from .gamma import default_policy
 from .models import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
@@ -87,33 +87,44 @@ class Settings:
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> "Settings":
-        """The settings a trace was made with (meta["page_settings"], written by the page); from a trace of
-        another origin, what its config says. Values of the wrong type are ignored (a trace is untrusted)."""
+        """The settings a trace was made with (meta["page_settings"], written by the page); for a trace of
+        another origin, what its config says. A trace is untrusted: a value that the page's control could not
+        hold (wrong type, unknown choice, out of range) is replaced by the default."""
         saved = meta.get("page_settings")
-        if isinstance(saved, dict):
-            values = {}
-            for f in dataclasses.fields(cls):
-                value, default = saved.get(f.name), f.default
-                if default is None:
-                    ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-                else:
-                    ok = isinstance(value, type(default)) and not isinstance(value, bool) or (
-                        isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool))
-                if ok:
-                    values[f.name] = value
-            return cls(**values)
-        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-        sampling = config.get("sampling") if isinstance(config.get("sampling"), dict) else {}
-        values = {"mode": meta.get("mode"), "max_new_tokens": config.get("max_new_tokens"), "seed": config.get("seed"),
-                  "gamma_policy": config.get("gamma_policy"), "temperature": sampling.get("temperature"),
-                  "top_k": sampling.get("top_k"), "top_p": sampling.get("top_p"), "lenience": config.get("lenience")}
-        kept = {k: v for k, v in values.items() if v is not None and isinstance(v, type(getattr(cls(), k)))
-                and not isinstance(v, bool)}
-        if kept.get("mode") not in MODES:
-            kept.pop("mode", None)
-        if kept.get("temperature") == 0:
-            kept.update(decoding="greedy", temperature=cls.temperature)
+        if not isinstance(saved, dict):
+            config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+            sampling = config.get("sampling") if isinstance(config.get("sampling"), dict) else {}
+            greedy = sampling.get("temperature") == 0
+            saved = {"mode": meta.get("mode"), "max_new_tokens": config.get("max_new_tokens"),
+                     "seed": config.get("seed"), "gamma_policy": config.get("gamma_policy"),
+                     "decoding": "greedy" if greedy else "sample",
+                     "temperature": None if greedy else sampling.get("temperature"), "top_k": sampling.get("top_k"),
+                     "top_p": sampling.get("top_p"), "lenience": config.get("lenience")}
+        kept = {f.name: saved[f.name] for f in dataclasses.fields(cls)
+                if f.name in saved and _restorable(f.name, saved[f.name], f.default)}
         return cls(**kept)
+
+
+DRAFT_VOCAB_CHOICES = ("auto", "0", "4096", "8192", "16384", "32768", "65536")  # the page's draft-head sizes
+_CHOICES = {"mode": MODES, "decoding": ("sample", "greedy"), "gamma_policy": ("auto", *GAMMA_POLICIES),
+            "draft_kind": ("auto", *DRAFT_KINDS), "draft_vocab": DRAFT_VOCAB_CHOICES}
+_RANGES = {"temperature": (0.05, 2.0), "top_k": (0, 1 << 20), "top_p": (0.05, 1.0), "gamma_init": (0, 64),
+           "max_new_tokens": (8, 256), "seed": (0, 1 << 53), "lenience": (0.05, 1.0), "draft_confidence": (0.0, 0.95),
+           "sequences": (1, 8), "lookup_ngram": (0, 5), "sigmoid_alpha": (-1e12, 1e12), "sigmoid_beta": (-1e12, 1e12)}
+
+
+def _restorable(name: str, value: Any, default: Any) -> bool:
+    """Whether the page's control for `name` can hold `value`."""
+    if name in _CHOICES:
+        return value in _CHOICES[name]
+    if isinstance(default, str):
+        return isinstance(value, str) and 0 < len(value) <= 500
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value is None and default is None
+    if isinstance(default, int) and not isinstance(value, int):
+        return False
+    low, high = _RANGES[name]
+    return low <= value <= high
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")

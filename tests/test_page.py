@@ -1,0 +1,137 @@
+"""The page's orchestration without a browser: stopping a run, the target-only reference, comparison
+rounds, restoring settings from a trace, and the words the page writes about a run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+import pytest
+
+from specviz import page, report
+from specviz.compare import compare, noise, source_runner
+from specviz.config import SamplingConfig, SpecConfig
+from specviz.runs import run
+from specviz.trace import Trace
+
+from conftest import decode, prompts_source
+
+SAMPLED = SamplingConfig(temperature=0.8)
+
+
+class _Models:
+    """A ModelCache stand-in that hands out the tiny pair for any name."""
+
+    def __init__(self, pair):
+        self.pair = pair
+
+    def text(self, draft, target, progress):
+        return self.pair
+
+
+def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
+    source = prompts_source(tiny_pair, [prompt_ids])
+    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=200, gamma_policy="constant", gamma_init=2)
+    stop = page.StopFlag()
+    seen = []
+    for trace, done in page._streamed(source, cfg, {}, stop):
+        seen.append(len(trace.steps))
+        if len(trace.steps) == 3:
+            stop.stop("test")
+    assert done and trace.meta["stopped"] is True
+    assert len(trace.steps) <= 4 and trace.new_tokens < 200  # at most the iteration in flight finishes
+    Trace.loads(json.dumps(trace.to_dict()))  # the partial trace is a valid, exportable trace
+
+
+def test_a_closed_stream_stops_its_worker(tiny_pair, prompt_ids):
+    """Gradio dropping the generator (a closed tab) must not leave the decoding thread running."""
+    source = prompts_source(tiny_pair, [prompt_ids])
+    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=200, gamma_policy="constant", gamma_init=2)
+    stop = page.StopFlag()
+    before = threading.active_count()
+    stream = page._streamed(source, cfg, {}, stop)
+    next(stream)
+    stream.close()
+    assert stop.is_set() and "stopped reading" in stop.reason
+    deadline = time.time() + 30
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
+
+
+def test_stops_table_is_per_session():
+    stops = page.Stops()
+    a, b = stops.start("a"), stops.start("b")
+    assert stops.stop("a", "Stop pressed") and a.is_set() and a.reason == "Stop pressed" and not b.is_set()
+    stops.end("b", b)
+    assert not stops.stop("b", "late") and not b.is_set()
+    newer = stops.start("a")
+    stops.end("a", a)  # an old run ending does not remove the session's newer run
+    assert stops.stop("a", "again") and newer.is_set()
+
+
+def test_reference_is_measured_once_and_reused(tiny_pair):
+    models, references = _Models(tiny_pair), page.References()
+    settings = page.Settings(max_new_tokens=8, target="tiny")
+    article = "w1 w2 w3 w4 w5 w6"
+    first = page.measure_reference(models, references, page.TEXT, article, settings, lambda m, f: None, page.StopFlag())
+    again = page.measure_reference(models, references, page.TEXT, article, settings, lambda m, f: None, page.StopFlag())
+    assert not first["reused"] and again["reused"] and first["decode_tokens_per_s"] == again["decode_tokens_per_s"]
+    assert first["new_tokens"] == 8
+    other = page.References.key(page.TEXT, article, page.Settings(max_new_tokens=8, target="tiny", seed=1))
+    assert other != page.References.key(page.TEXT, article, settings)  # another seed is another reference
+    draft_only = page.Settings(max_new_tokens=8, target="tiny", mode="sigmoid", draft_kind="lookup")
+    assert page.References.key(page.TEXT, article, draft_only) == page.References.key(page.TEXT, article, settings)
+
+
+def test_measured_speedup_is_labelled_as_measured(tiny_pair, prompt_ids):
+    source = prompts_source(tiny_pair, [prompt_ids])
+    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=12)
+    trace = run(source, cfg)
+    assert "Speedup not measured" in report.summary_markdown(trace)
+    reference = run(source, cfg, target_only=True)
+    trace.meta["target_only"] = report.reference_meta(reference, reused=False, measured_at=time.time())
+    speedup = report.measured_speedup(trace)
+    assert speedup["decode"] == pytest.approx(trace.decode_tokens_per_s / reference.decode_tokens_per_s)
+    text = report.summary_markdown(trace)
+    assert f"Measured: {speedup['decode']:.2f}×" in text and "prefill" in text
+    assert f"decoding {trace.decode_s:.2f} s" in text
+
+
+def test_compare_rounds_report_spread(tiny_pair, prompt_ids):
+    source = prompts_source(tiny_pair, [prompt_ids])
+    rows, traces = compare(source_runner(source), SpecConfig(sampling=SAMPLED, max_new_tokens=8), repeat=3)
+    assert [r.name for r in rows] == ["target-only", "baseline", "exact", "sigmoid"]
+    for r in rows:
+        assert len(r.tokens_per_s_runs) == 3
+        assert r.speedup_min <= r.speedup <= r.speedup_max
+    assert rows[0].speedup_min == rows[0].speedup_max == 1.0
+    assert noise(rows) >= 0
+    note = report.compare_note([r.as_dict() for r in rows], 3, 0.4, "sampling")
+    assert "3 interleaved rounds" in note and "noisy" in note
+
+
+def test_settings_restore_from_page_and_cli_traces(tiny_pair, prompt_ids):
+    settings = page.Settings(mode="sigmoid", temperature=0.5, sequences=2, max_new_tokens=64, draft_vocab="4096")
+    assert page.Settings.from_meta({"page_settings": dataclasses.asdict(settings)}) == settings
+    hostile = {"page_settings": {"mode": "<img src=x>", "temperature": 99.0, "draft_vocab": "7", "seed": True,
+                                 "max_new_tokens": 64, "draft": ""}}
+    restored = page.Settings.from_meta(hostile)
+    assert restored == page.Settings(max_new_tokens=64)
+    cli = decode(tiny_pair, [prompt_ids], SpecConfig(mode="baseline", max_new_tokens=24, seed=3))
+    from_cli = page.Settings.from_meta(cli.meta)
+    assert (from_cli.mode, from_cli.decoding, from_cli.max_new_tokens, from_cli.seed) == ("baseline", "greedy", 24, 3)
+
+
+def test_sigmoid_warning_only_when_far(tiny_pair, prompt_ids):
+    source = prompts_source(tiny_pair, [prompt_ids])
+    far = run(source, SpecConfig(mode="sigmoid", sampling=SAMPLED, max_new_tokens=12))
+    assert "far from exact" in report.sigmoid_warning(far)
+    assert report.sigmoid_warning(run(source, SpecConfig(sampling=SAMPLED, max_new_tokens=12))) == ""
+    # a narrower range brings p̂ closer to p (the measurement follows the setting)
+    near = run(source, SpecConfig(mode="sigmoid", sampling=SAMPLED, max_new_tokens=12, sigmoid_alpha=-2,
+                                  sigmoid_beta=2))
+    gap = near.sigmoid_gap()
+    assert gap is not None and gap["mean_tv"] < far.sigmoid_gap()["mean_tv"]

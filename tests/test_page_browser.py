@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -50,11 +51,17 @@ def tiny_dirs(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
+def app_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("app") / "app.log"
+
+
+@pytest.fixture(scope="module")
+def app_url(app_log, tmp_path_factory):
     port = _free_port()
-    log = tmp_path_factory.mktemp("app") / "app.log"
+    log = app_log
+    elsewhere = tmp_path_factory.mktemp("cwd")  # started from another directory, as users do
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=ROOT, stdout=out,
+        proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port)], cwd=elsewhere, stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 120
@@ -102,8 +109,14 @@ def shots(tmp_path_factory) -> Path:
     return out
 
 
-def _use_models(pg, draft: str, target: str) -> None:
-    pg.get_by_text("Sampling, sigmoid, lenience, drafts, models").click()
+MORE = "More: sigmoid range, lenience, drafts, models, references"
+
+
+def _use_models(pg, draft: str, target: str, measure: bool = False) -> None:
+    """Type the model paths; the target-only reference is off unless a test is about it (it doubles a run)."""
+    if not measure:
+        pg.locator("#measure-speedup input").uncheck()
+    pg.get_by_text(MORE).click()
     for box, value in (("#draft-model textarea", draft), ("#target-model textarea", target)):
         pg.wait_for_selector(box, state="visible")
         for _ in range(5):  # the accordion's first render can reset a value typed into it
@@ -145,9 +158,10 @@ def test_summarize_shows_tokens_and_plots_then_switch_mode(page, tiny_dirs, shot
     assert page.locator("#token-view .sv-tok.sv-accepted, #token-view .sv-tok.sv-bonus").count() > 0
     tip = page.locator("#token-view .sv-line .sv-tok").first.get_attribute("title")
     assert "p(x)=" in tip and "q(x)=" in tip and "uniform=" in tip
-    for plot in ("#gamma-plot", "#acceptance-plot", "#timing-plot", "#theory-plot"):
+    for plot in ("#gamma-plot", "#acceptance-plot", "#timing-plot", "#verify-plot", "#theory-plot"):
         page.wait_for_selector(f"{plot} .js-plotly-plot", timeout=30_000)
-    assert "tokens/s" in page.inner_text("#run-summary")
+    summary = page.inner_text("#run-summary")
+    assert "tokens/s decoding" in summary and "prefill" in summary and "Speedup not measured" in summary
     page.screenshot(path=str(shots / "summarize-tiny.png"), full_page=True)
 
     page.locator("#mode-select input[value=baseline]").check()
@@ -159,26 +173,39 @@ def test_summarize_shows_tokens_and_plots_then_switch_mode(page, tiny_dirs, shot
 
 
 def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
+    """The export is named after task, mode and time and pretty-printed; loading it in a new session redraws
+    the same view, restores its settings and input, and enables Export again."""
     _use_models(page, *tiny_dirs)
+    page.locator("#mode-select input[value=baseline]").check()
     assert "Done" in _run_text(page)
     before = page.inner_html("#token-view .sv-tokens")
     with page.expect_download() as download:
         page.click("#export-button")
+    assert re.fullmatch(r"specviz-summarize-baseline-\d{8}-\d{4}\.json", download.value.suggested_filename)
     path = tmp_path / "trace.json"
     download.value.save_as(path)
+    assert path.read_text().startswith('{\n  "meta"')
     data = json.loads(path.read_text())
     assert data["schema_version"] == 3
     trace = Trace.load(path)  # validates every field
-    assert trace.new_tokens == 24 and trace.steps
+    assert trace.new_tokens == 24 and trace.steps and trace.meta["page_settings"]["mode"] == "baseline"
 
     fresh = page.context.new_page()  # a new session: no model run, only the file
     fresh.goto(page.url)
     fresh.wait_for_selector("#trace-upload")
+    fresh.wait_for_timeout(1000)
+    assert fresh.locator("#mode-select input[value=exact]").is_checked()
     fresh.set_input_files("#trace-upload input[type=file]", str(path))
     fresh.wait_for_function("() => /Loaded trace/.test(document.querySelector('#status .sv-status').innerText)",
                             timeout=60_000)
     assert fresh.inner_html("#token-view .sv-tokens") == before
     fresh.wait_for_selector("#gamma-plot .js-plotly-plot", timeout=30_000)
+    assert fresh.locator("#mode-select input[value=baseline]").is_checked()
+    assert fresh.input_value("#article-input textarea") == "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
+    assert fresh.locator("#max-new-tokens input[type=number]").input_value() == "24"
+    with fresh.expect_download() as again:
+        fresh.click("#export-button")
+    assert Trace.load(again.value.path()).outputs == trace.outputs
 
 
 def test_three_sequences_show_three_lanes(page, tiny_dirs, shots):
@@ -260,24 +287,13 @@ def test_unloadable_model_shows_error(page):
     assert "could not load the draft model" in _click_and_wait(page, "#run-button")
 
 
-def test_compare_side_by_side(page, tiny_dirs, shots):
-    _use_models(page, *tiny_dirs)
-    page.fill("#article-input textarea", "w1 w2 w3 w4 w5 w6 w7 w8")
-    page.locator("#max-new-tokens input[type=number]").fill("16")
-    _click_and_wait(page, "#compare-button", "Comparison done|⚠")
-    table = page.inner_text("#compare-table")
-    for name in ("target-only", "baseline", "exact", "sigmoid"):
-        assert name in table
-    page.wait_for_selector("#compare-plot .js-plotly-plot", timeout=30_000)
-    assert "sigmoid vs exact" in page.inner_text("#compare-note")
-    page.screenshot(path=str(shots / "compare-tiny.png"), full_page=True)
-
-
 def test_transcribe_sample_audio(page, shots):
     page.get_by_role("tab", name="Transcribe").click()
     page.click("#sample-audio-button")
     page.wait_for_selector("#audio-input audio, #audio-input .waveform-container, #audio-input button", timeout=30_000)
     page.locator("#max-new-tokens input[type=number]").fill("96")
+    page.locator("#measure-speedup input").uncheck()
+    page.locator("#decoding-select input[value=greedy]").check()  # the words are checked: no sampling noise
     status = _click_and_wait(page, "#run-button")
     assert "Done" in status, status
     text = page.input_value("#output-text textarea").lower()
@@ -305,3 +321,158 @@ def test_embedded_pair_summarizes_the_sample(page, shots):
     assert "Harbor" in page.input_value("#output-text textarea") or "bike" in page.input_value("#output-text textarea")
     assert page.locator("#token-view .sv-tok.sv-accepted").count() > 5
     page.screenshot(path=str(shots / "summarize-embedded.png"), full_page=True)
+
+
+def _wait_status(pg, pattern: str, timeout: int = RUN_TIMEOUT_MS) -> str:
+    pg.wait_for_function("(pat) => new RegExp(pat).test(document.querySelector('#status .sv-status').innerText)",
+                         arg=pattern, timeout=timeout)
+    return _status(pg)
+
+
+def test_clicking_tokens_explains_each_decision(page, tiny_dirs, shots):
+    """A rejected draft's panel gives the verdict in numbers and the distributions; the resampled token's names
+    the residual it came from; a discarded draft says it was never examined."""
+    _use_models(page, *tiny_dirs)
+    assert "Done" in _run_text(page, max_new=32)
+    rejected = page.locator("#token-view .sv-rejected.sv-click")
+    assert rejected.count() > 0, "sampling with this pair rejects some drafts"
+    rejected.first.click()
+    page.wait_for_function("() => /rejected/.test(document.querySelector('#why-panel').innerText)", timeout=30_000)
+    why = page.inner_text("#why-panel")
+    assert re.search(r"u = 0\.\d+ > p\(x\)/q\(x\) = \d\.\d+: rejected", why), why
+    assert "target p" in why and "draft q" in why and "residual" in why and "other tokens" in why
+    page.screenshot(path=str(shots / "why-rejected.png"), full_page=True)
+    page.locator("#token-view .sv-resampled.sv-click").first.click()
+    page.wait_for_function("() => /drawn from the residual/.test(document.querySelector('#why-panel').innerText)",
+                           timeout=30_000)
+    discarded = page.locator("#token-view .sv-discarded.sv-click")
+    if discarded.count():
+        discarded.first.click()
+        page.wait_for_function("() => /never examined/.test(document.querySelector('#why-panel').innerText)",
+                               timeout=30_000)
+
+
+def test_replay_slider_moves_every_view(page, tiny_dirs):
+    _use_models(page, *tiny_dirs)
+    assert "Done" in _run_text(page, max_new=32)
+    lanes = page.locator("#token-view .sv-lane").count()
+    assert lanes >= 3
+    box = page.locator("#replay-slider input[type=number]")
+    assert box.input_value() == str(lanes)
+    box.fill("1")
+    box.press("Enter")
+    page.wait_for_function("() => document.querySelectorAll('#token-view .sv-lane').length === 1", timeout=30_000)
+    assert "1 target forward" not in page.inner_text("#run-summary")  # the summary follows: 1 iteration + prefill
+    assert "2 target forward passes" in page.inner_text("#run-summary")
+    box.fill(str(lanes))
+    box.press("Enter")
+    page.wait_for_function(f"() => document.querySelectorAll('#token-view .sv-lane').length === {lanes}",
+                           timeout=30_000)
+
+
+def _start_long_run(pg) -> None:
+    """Eight sampled sequences of 256 tokens: long enough with the tiny pair to stop it halfway."""
+    pg.locator("#num-sequences input[type=number]").fill("8")
+    pg.locator("#num-sequences input[type=number]").press("Tab")
+    pg.fill("#article-input textarea", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12")
+    pg.locator("#max-new-tokens input[type=number]").fill("256")
+    pg.click("#run-button")
+    _wait_status(pg, "Decoding… iteration [1-9]")
+
+
+def test_stop_ends_the_run_and_keeps_the_partial_trace(page, tiny_dirs, tmp_path):
+    _use_models(page, *tiny_dirs)
+    _start_long_run(page)
+    assert page.locator("#run-button").is_disabled() and page.locator("#compare-button").is_disabled()
+    page.click("#stop-button")
+    status = _wait_status(page, "Stopped|Done|⚠", timeout=60_000)
+    assert status.split("] ", 1)[1].startswith("Stopped"), status
+    assert "Stopped" in page.inner_text("#run-summary")
+    page.wait_for_function("() => !document.querySelector('#run-button').disabled", timeout=30_000)
+    with page.expect_download() as download:
+        page.click("#export-button")
+    trace = Trace.load(download.value.path())
+    assert trace.meta["stopped"] is True and trace.steps
+    assert trace.new_tokens < 8 * 256
+
+
+def test_a_closed_tab_stops_its_run(browser, app_url, app_log, tiny_dirs):
+    context = browser.new_context(viewport={"width": 1400, "height": 1800})
+    pg = context.new_page()
+    pg.goto(app_url)
+    pg.wait_for_selector("#run-button")
+    pg.wait_for_timeout(1000)
+    _use_models(pg, *tiny_dirs)
+    before = app_log.read_text().count("run stopped after")
+    _start_long_run(pg)
+    context.close()  # the tab goes away mid-run
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        log = app_log.read_text()
+        if log.count("run stopped after") > before:
+            break
+        time.sleep(0.5)
+    assert log.count("run stopped after") > before, log[-2000:]
+    assert "browser session closed" in log or "stopped reading" in log
+
+
+def test_sampled_sigmoid_shows_its_distance_from_exact(page, tiny_dirs):
+    _use_models(page, *tiny_dirs)
+    page.locator("#mode-select input[value=sigmoid]").check()
+    assert "Done" in _run_text(page, max_new=16)
+    warning = page.inner_text("#sigmoid-warning")
+    assert "sigmoid is far from exact here" in warning and "would have accepted" in warning, warning
+
+
+def test_measured_speedup_against_target_only(page, tiny_dirs):
+    _use_models(page, *tiny_dirs, measure=True)
+    page.fill("#article-input textarea", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12")
+    page.locator("#max-new-tokens input[type=number]").fill("16")
+    page.click("#run-button")
+    _wait_status(page, "speedup measured|⚠")
+    summary = page.inner_text("#run-summary")
+    assert re.search(r"Measured: \d+\.\d\d× target-only's decoding speed", summary), summary
+    page.wait_for_selector("#theory-plot .js-plotly-plot", timeout=30_000)
+    assert "measured (vs target-only)" in page.inner_html("#theory-plot")
+
+
+def test_compare_rounds_show_spread_and_open_a_run(page, tiny_dirs, shots):
+    _use_models(page, *tiny_dirs)
+    page.fill("#article-input textarea", "w1 w2 w3 w4 w5 w6 w7 w8")
+    page.locator("#max-new-tokens input[type=number]").fill("16")
+    page.locator("#compare-rounds input[type=number]").fill("2")
+    page.locator("#compare-rounds input[type=number]").press("Tab")
+    _click_and_wait(page, "#compare-button", "Comparison done|⚠")
+    table = page.inner_text("#compare-table")
+    for name in ("target-only", "baseline", "exact", "sigmoid"):
+        assert name in table
+    assert re.search(r"\d\.\d+–\d\.\d+", table), table  # the min–max speedup column
+    note = page.inner_text("#compare-note")
+    assert "2 interleaved rounds" in note and "sigmoid vs exact" in note and "sampled" in note
+    page.wait_for_selector("#compare-plot .js-plotly-plot", timeout=30_000)
+    page.screenshot(path=str(shots / "compare-tiny.png"), full_page=True)
+    page.locator("#compare-trace-select input").click()
+    page.get_by_role("option", name="sigmoid").click()
+    page.click("#open-compare-trace")
+    _wait_status(page, "Opened the sigmoid run", timeout=60_000)
+    assert page.inner_text("#run-summary").startswith("sigmoid")
+    assert page.locator("#mode-select input[value=sigmoid]").is_checked()
+    with page.expect_download() as download:
+        page.click("#export-button")
+    assert "sigmoid" in download.value.suggested_filename
+
+
+def test_phone_viewport(browser, app_url, tiny_dirs, shots):
+    """390 × 844: no sideways scrolling of the page; the token view scrolls as a whole; a tap explains."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    pg = context.new_page()
+    pg.goto(app_url)
+    pg.wait_for_selector("#run-button")
+    pg.wait_for_timeout(1000)
+    _use_models(pg, *tiny_dirs)
+    assert "Done" in _run_text(pg)
+    assert pg.evaluate("() => document.documentElement.scrollWidth") <= 390
+    pg.locator("#token-view .sv-rejected.sv-click, #token-view .sv-accepted.sv-click").first.tap()
+    pg.wait_for_function("() => /u = /.test(document.querySelector('#why-panel').innerText)", timeout=30_000)
+    pg.screenshot(path=str(shots / "phone.png"), full_page=True)
+    context.close()

@@ -202,8 +202,8 @@ def build(models: page.ModelCache) -> gr.Blocks:
                             with gr.Column(scale=3, min_width=320):
                                 token_view = gr.HTML(elem_id="token-view", min_height=120)
                             with gr.Column(scale=2, min_width=300):
-                                why_panel = gr.HTML('<div class="sv-why">Run, then click a token here to see why '
-                                                    'verification kept, rejected or drew it.</div>', elem_id="why-panel")
+                                why_panel = gr.HTML('<div class="sv-why">Run, then click a token to see the '
+                                                    'distributions behind its fate.</div>', elem_id="why-panel")
                         why_select = gr.Textbox(elem_id="why-select", show_label=False, container=False)
                         # hidden until there is a run to draw: empty plot frames only push the results down
                         gamma_plot = gr.Plot(elem_id="gamma-plot", show_label=False, visible=False)
@@ -267,8 +267,11 @@ def build(models: page.ModelCache) -> gr.Blocks:
                 source_input = article_text if task == page.TEXT else audio_path
                 yield [_stamp("Loading models and reading the input…"), gr.skip(), gr.DownloadButton(interactive=False),
                        gr.Tabs(selected="run-results"), gr.skip(), *[gr.skip()] * len(view_outputs)]
+                stream = page.stream_run(models, task, source_input, settings, loader, stop)
+                yield [_stamp("Models ready. Prefill: the models read the whole input once (the longest wait "
+                              "before the first iteration)…"), *[gr.skip()] * (4 + len(view_outputs))]
                 trace = None
-                for trace, done in page.stream_run(models, task, source_input, settings, loader, stop):
+                for trace, done in stream:
                     if done:
                         page.score(trace, task, (ref_summary if task == page.TEXT else ref_transcript) or "")
                     note = (("Stopped" if trace.meta.get("stopped") else "Done") +

@@ -21,7 +21,7 @@ from .trace import SequenceTrace, Trace
 @dataclass
 class Row:
     name: str
-    tokens_per_s: float  # the median round's: all sequences' tokens over the run's wall time
+    tokens_per_s: float  # median over rounds of all sequences' tokens over the run's wall time
     tokens_per_s_per_sequence: float  # mean over sequences of tokens over the time until it finished
     speedup: float  # median over rounds of tokens/s over target-only's in the same round (same input and seed)
     alpha: float | None
@@ -34,7 +34,8 @@ class Row:
     tokens_per_s_runs: list[float]  # one per round, in round order
     speedup_min: float  # the lowest and highest per-round speedups: the spread of `speedup`
     speedup_max: float
-    decode_tokens_per_s: float  # the median round's tokens over its decoding time (prefill left out)
+    decode_tokens_per_s: float  # the median run's tokens over its decoding time (prefill left out); the median
+    # run (by wall time) also gives the row's α, tokens per iteration, verify time and output
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -48,7 +49,7 @@ def _row(name: str, runs: list[Trace], references: list[Trace]) -> Row:
     reference = _median_trace(references)
     return Row(
         name=name,
-        tokens_per_s=trace.tokens_per_s,
+        tokens_per_s=statistics.median(t.tokens_per_s for t in runs),
         tokens_per_s_per_sequence=trace.per_sequence_tokens_per_s(),
         speedup=statistics.median(ratios),
         alpha=s.get("alpha"),

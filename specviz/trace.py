@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from . import theory
 from .config import MAX_EXPLAIN_TOP
-from .records import (ACCEPTED, DISCARDED, DRAFTERS, FINISH_REASONS, LOOKUP, MODEL, NEXT_KINDS, OUTCOMES, TARGET,
+from .records import (ACCEPTED, BONUS, DISCARDED, DRAFTERS, FINISH_REASONS, LOOKUP, MODEL, NEXT_KINDS, OUTCOMES, TARGET,
                       Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, StepRecord, TopTokens)
 
 SCHEMA_VERSION = 3
@@ -243,7 +243,10 @@ class Trace:
         steps = [s for s in self.steps if s.index in by_step]
         if not forwards or not steps:
             return None
-        target = statistics.median(s.target_s for s in self.steps if s.gamma > 0)
+        scored = [s.target_s for s in self.steps if s.gamma > 0]
+        if not scored:  # only a crafted trace drafts in steps that say γ = 0
+            return None
+        target = statistics.median(scored)
         return (sum(s.draft_s for s in steps) / forwards) / target if target > 0 else None
 
     # ---- JSON ----------------------------------------------------------------------------------
@@ -581,6 +584,9 @@ def _check_consistent(trace: Trace) -> None:
                                        f"{d.emitted} for γ = {d.gamma}")
             if (d.gamma == 0) != (d.next_kind == TARGET):
                 raise TraceFormatError(f"malformed trace: {where}: only target-only steps draft nothing")
+            if d.gamma and (d.n_accepted == d.gamma) != (d.next_kind == BONUS):
+                raise TraceFormatError(f"malformed trace: {where}: the next token is a bonus exactly when every "
+                                       f"draft was accepted")
             if any(not 0 <= x <= 1 for x in d.accept_prob + d.uniform + d.p + d.q):
                 raise TraceFormatError(f"malformed trace: {where} has a probability or uniform outside [0, 1]")
             if any(not 0 <= t < MAX_INT for t in d.draft_ids + [d.next_id]):

@@ -187,3 +187,11 @@ def test_explain_top_is_bounded():
     with pytest.raises(ValueError, match="explain_top"):
         SpecConfig(explain_top=MAX_EXPLAIN_TOP + 1)
     assert VOCAB > MAX_EXPLAIN_TOP  # the tiny pair's vocabulary is wider than the bound, so top-N is a real cut
+
+
+def test_bonus_exactly_when_every_draft_was_accepted(sampled_trace):
+    data = sampled_trace.to_dict()
+    decision = next(d for s in data["sequences"] for d in s["decisions"] if d["n_accepted"] < d["gamma"])
+    decision["next_kind"] = "bonus"
+    with pytest.raises(TraceFormatError, match="bonus exactly when"):
+        Trace.loads(json.dumps(data))

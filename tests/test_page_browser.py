@@ -337,7 +337,7 @@ def test_clicking_tokens_explains_each_decision(page, tiny_dirs, shots):
     rejected = page.locator("#token-view .sv-rejected.sv-click")
     assert rejected.count() > 0, "sampling with this pair rejects some drafts"
     rejected.first.click()
-    page.wait_for_function("() => /rejected/.test(document.querySelector('#why-panel').innerText)", timeout=30_000)
+    page.wait_for_function("() => /: rejected/.test(document.querySelector('#why-panel').innerText)", timeout=30_000)
     why = page.inner_text("#why-panel")
     assert re.search(r"u = 0\.\d+ > p\(x\)/q\(x\) = \d\.\d+: rejected", why), why
     assert "target p" in why and "draft q" in why and "residual" in why and "other tokens" in why

@@ -5,18 +5,23 @@
     if kernels.available():
         fields = kernels.verify_cuda("exact", draft_tokens, draft_logits, target_logits, u, u_res,
                              scale=1 / temperature, lenience=1.0, sigmoid_alpha=-1e4, sigmoid_beta=1e4)
+        # top-k / top-p inside the kernels, on raw logits (`standardize`'s semantics, see verify.cu):
+        fields = kernels.verify_cuda("exact", ..., scale=kernels.topk_scale(T), topk=50, top_p=0.9)
 
 `verify_cuda` decides exactly as `specviz.verify.tiled.verify_tiled` (same random numbers, same acceptance
 rule, same two-level residual scan) and returns the same keys. The caller draws the random numbers from its
 generator in tiled.py's order, `u = rand((B, γ))` then `u_res = rand((B,))`, and passes them in.
 
-Launches per call: two for `exact` (per-chunk softmax statistics, and with `topk` each chunk's k largest
-values; then thresholds, normalizers, acceptance, residual masses and sampling in the last block of each
-row), one for `sigmoid`. All on torch's current CUDA stream, no copies of the logits (any batch/row
-strides; the last dimension must be contiguous or it is copied). One readback (a few bytes per row, into
-pinned memory) when `check=True`: it raises on NaN / +inf / all -inf logits or drafted tokens outside the
-vocabulary, and `launch` hands its host copy back so that callers need no further sync; `check=False`
-makes the call fully asynchronous and skips those errors.
+Launches per call: two for `exact` (per-chunk softmax statistics, with `topk` each chunk's k largest
+values, and with `topk` or `top_p` each row's threshold and normalizer, found by the last block of the
+row; then acceptance, residual masses and sampling in the last block of each batch row), one for
+`sigmoid`, two with `topk` or `top_p` (the first launch of `exact` for the thresholds, then the sigmoid
+one). Top-p without top-k reads each row 2 more times (fp16 / bf16) or 4 (fp32), by the last block of the
+row, from L2; with top-k it ranks the K1·k candidate lists only, no pass over the vocabulary. All on torch's current CUDA stream, no copies of the
+logits (any batch/row strides; the last dimension must be contiguous or it is copied). One readback (a few
+bytes per row, into pinned memory) when `check=True`: it raises on NaN / +inf / all -inf logits or drafted
+tokens outside the vocabulary, and `launch` hands its host copy back so that callers need no further sync;
+`check=False` makes the call fully asynchronous and skips those errors.
 
 Host cost: the grids, workspace layout and argument lists depend only on (mode, shapes, dtypes, strides,
 settings), so they are planned once per such key (`_cached_plan`) and a call patches the data pointers in.
@@ -52,22 +57,23 @@ __all__ = [
     "Launched",
     "sigmoid_inv_den",
     "topk_scale",
+    "topp_value",
 ]
 
 KERNEL_DIR = Path(__file__).resolve().parent
 THREADS = 256  # SV_THREADS in verify.cu
 MAX_GAMMA = 256  # SV_MAX_GAMMA in verify.cu
 # Largest in-kernel top-k: the last block of each row merges K1·k candidates alone, so its tail grows with
-# k; larger k (rare) goes through `standardize` on the torch side.
+# k; larger k (rare) goes through `standardize` on the torch side (with any top-p).
 MAX_TOPK = 1024
 MAX_GRID_YZ = 65535
 UNROLL_SPAN = 1024  # SV_THREADS · SV_UNROLL: the columns one pass of a block covers
 NVRTC_OPTIONS = ("-std=c++17",)
 MODES = ("exact", "sigmoid")
 _SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-ENTRY_POINTS = tuple(
-    f"sv_{kind}_{suffix}" for suffix in _SUFFIX.values() for kind in ("exact_stats", "exact_resample", "sigmoid")
-)
+# Launch 1 and the sigmoid launch come in variants that compile only the filtering they need (registers)
+_KINDS = ("exact_stats", "exact_stats_topk", "exact_stats_topp", "exact_resample", "sigmoid", "sigmoid_filtered")
+ENTRY_POINTS = tuple(f"sv_{kind}_{suffix}" for suffix in _SUFFIX.values() for kind in _KINDS)
 _ERROR_KIND = {1: "NaN", 2: "+inf", 4: "only -inf (no token has any probability)"}
 
 
@@ -180,9 +186,9 @@ def _round_up(x: int, m: int) -> int:
 def plan_chunks(mode: str, batch: int, gamma: int, vocab: int, sms: int) -> tuple[int, int]:
     """(stats_chunk, residual_chunk) in columns: enough blocks to fill `sms` multiprocessors.
 
-    Launch 1 (exact) has ceil(V / stats_chunk)·(2γ+1)·B blocks, aimed at ~4 per SM; the residual launch has
-    ceil(V / residual_chunk)·B blocks (exact, ~2 per SM) or ·(2γ+1)·B (sigmoid). The residual chunk also
-    bounds the last block's final scan, so it stays within [1024, 4096].
+    Launch 1 (exact; sigmoid with top-k / top-p) has ceil(V / stats_chunk)·(2γ+1)·B blocks, aimed at ~4 per
+    SM; the residual launch has ceil(V / residual_chunk)·B blocks (exact, ~2 per SM) or ·(2γ+1)·B (sigmoid).
+    The residual chunk also bounds the last block's final scan, so it stays within [1024, 4096].
     """
     rows = 2 * gamma + 1
     stats = _round_up(-(-vocab * rows * batch // (4 * sms)), UNROLL_SPAN)
@@ -253,7 +259,13 @@ def topk_scale(temperature: float) -> np.float32:
     return np.float32(1) / np.float32(temperature)
 
 
-def _validate(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, alpha, beta, topk):
+def topp_value(top_p: float) -> np.float32:
+    """fp32(top_p): `standardize` compares a float32 tensor with the Python float, which torch casts to fp32."""
+    return np.float32(top_p)
+
+
+def _validate(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, alpha, beta, topk,
+              top_p):
     """The input checks of a plan (run once per plan key: shapes, dtypes and settings are in the key)."""
     if mode not in MODES:
         raise ValueError(f"unknown CUDA verification mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -281,8 +293,10 @@ def _validate(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, 
         raise ValueError(f"scale must be a positive finite number, got {scale}")
     if mode == "sigmoid" and not alpha < beta:
         raise ValueError("sigmoid α must be smaller than β")
-    if topk and (mode != "exact" or not 0 < topk <= MAX_TOPK):
-        raise ValueError(f"in-kernel top-k needs mode 'exact' and 1 <= k <= {MAX_TOPK}, got {mode!r}, k={topk}")
+    if topk and not 0 < topk <= MAX_TOPK:
+        raise ValueError(f"in-kernel top-k needs 1 <= k <= {MAX_TOPK}, got k={topk}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
 
 
 def _inputs(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor,
@@ -304,10 +318,10 @@ def _inputs(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens: tor
 
 
 def _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, lenience, sigmoid_alpha, sigmoid_beta,
-          sms, stats_chunk, residual_chunk, topk) -> Plan:
+          sms, stats_chunk, residual_chunk, topk, top_p) -> Plan:
     """Validate once and lay out buffers, grids and argument templates (see `Plan`)."""
     _validate(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, sigmoid_alpha,
-              sigmoid_beta, topk)
+              sigmoid_beta, topk, top_p)
     B, gamma = draft_tokens.shape
     V = target_logits.shape[-1]
     # Logits: fp32 / fp16 / bf16 are read as they are; anything else (or a mixed pair) goes through fp32,
@@ -323,6 +337,8 @@ def _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, l
     suffix = _SUFFIX[target_logits.dtype]
     if topk >= V:
         topk = 0  # keeps every token, as `standardize` skips top_k >= V
+    topp = topp_value(top_p)  # the kernels filter while it is below 1 (fp32)
+    filtered = bool(topk) or topp < 1
 
     R = 2 * gamma + 1
     auto_stats, auto_residual = plan_chunks(mode, B, gamma, V, sms)
@@ -344,11 +360,11 @@ def _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, l
     off_f32 = 7 * B * 8
     out_bytes = off_f32 + 4 * B * gamma * 4
     off_part = _round_up(out_bytes, 256)
-    part_bytes = B * R * K1 * 2 * 4 if mode == "exact" else 0
+    part_bytes = B * R * K1 * 2 * 4 if mode == "exact" or filtered else 0
     off_cand = _round_up(off_part + part_bytes, 256)
     off_extra = _round_up(off_cand + B * R * K1 * topk * 4, 256)
     off_rowstat = _round_up(off_extra + (B * R * K1 * 4 if topk else 0), 256)
-    off_mass = _round_up(off_rowstat + (B * R * 2 * 4 if topk else 0), 256)
+    off_mass = _round_up(off_rowstat + (B * R * 2 * 4 if filtered else 0), 256)
     total = off_mass + B * K2 * 2 * 4
 
     i32, i64, f32 = np.int32, np.int64, np.float32
@@ -362,24 +378,28 @@ def _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, l
     ctx_slots = logit_slots + [(6, _SRC_TOKENS, 0), (7, _SRC_U, 0), (8, _SRC_URES, 0), (16, _SRC_BUFFER, 0),
                                (17, _SRC_BUFFER, off_f32)]
     n = len(ctx)
+    # Launch 1 of exact; with top-k / top-p also the thresholds, for either mode
+    stats = logits + [i32(gamma), i64(V), f32(scale), i64(chunk1), null, i32(topk), topp, null, null, null, null]
+    stats_slots = logit_slots + [(10, _SRC_BUFFER, off_part)]
+    if topk:
+        stats_slots += [(13, _SRC_BUFFER, off_cand), (14, _SRC_BUFFER, off_extra)]
+    if filtered:  # row tickets: the state's error-word region, which launch 1 does not otherwise use
+        stats_slots += [(15, _SRC_BUFFER, off_rowstat), (16, _SRC_STATE, 4 * B)]
+    stats_kind = "exact_stats_topp" if topp < 1 else ("exact_stats_topk" if topk else "exact_stats")
+    launches = [(f"sv_{stats_kind}_{suffix}", (K1, R, B), stats, stats_slots)] if mode == "exact" or filtered else []
     if mode == "exact":
-        stats = logits + [i32(gamma), i64(V), f32(scale), i64(chunk1), null, i32(topk), null, null, null, null]
-        stats_slots = logit_slots + [(10, _SRC_BUFFER, off_part)]
-        resample = ctx + [i64(chunk2), i32(K1), null, null, null, i32(topk), null]
+        resample = ctx + [i64(chunk2), i32(K1), null, null, null, i32(filtered), null]
         resample_slots = ctx_slots + [(n + 2, _SRC_BUFFER, off_part), (n + 3, _SRC_BUFFER, off_mass),
                                       (n + 4, _SRC_STATE, 0)]
-        if topk:  # row tickets: the state's error-word region, which exact mode does not otherwise use
-            stats_slots += [(12, _SRC_BUFFER, off_cand), (13, _SRC_BUFFER, off_extra),
-                            (14, _SRC_BUFFER, off_rowstat), (15, _SRC_STATE, 4 * B)]
+        if filtered:
             resample_slots += [(n + 6, _SRC_BUFFER, off_rowstat)]
-        launches = [
-            (f"sv_exact_stats_{suffix}", (K1, R, B), stats, stats_slots),
-            (f"sv_exact_resample_{suffix}", (K2, B, 1), resample, resample_slots),
-        ]
+        launches.append((f"sv_exact_resample_{suffix}", (K2, B, 1), resample, resample_slots))
     else:
-        sig = ctx + [i64(chunk2), null, null, null]
+        sig = ctx + [i64(chunk2), null, null, null, null]
         sig_slots = ctx_slots + [(n + 1, _SRC_BUFFER, off_mass), (n + 2, _SRC_STATE, 4 * B), (n + 3, _SRC_STATE, 0)]
-        launches = [(f"sv_sigmoid_{suffix}", (K2, R, B), sig, sig_slots)]
+        if filtered:
+            sig_slots += [(n + 4, _SRC_BUFFER, off_rowstat)]
+        launches.append((f"sv_sigmoid{'_filtered' if filtered else ''}_{suffix}", (K2, R, B), sig, sig_slots))
     return Plan(launches, out_bytes, total, B, gamma, V, cast, copy_target, copy_draft, state_size(B, gamma),
                 {name: _slot_arrays(slots) for name, _, _, slots in launches})
 
@@ -389,21 +409,22 @@ _MAX_PLANS = 256  # shapes vary with B and γ; beyond this the cache starts over
 
 
 def _plan_key(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, alpha, beta, sms,
-              stats_chunk, residual_chunk, topk) -> tuple:
+              stats_chunk, residual_chunk, topk, top_p) -> tuple:
     return (mode, tuple(draft_tokens.shape), draft_tokens.dtype, draft_logits.dtype, target_logits.dtype,
             tuple(draft_logits.shape), draft_logits.stride(), tuple(target_logits.shape), target_logits.stride(),
-            tuple(u.shape), tuple(u_res.shape), scale, lenience, alpha, beta, sms, stats_chunk, residual_chunk, topk)
+            tuple(u.shape), tuple(u_res.shape), scale, lenience, alpha, beta, sms, stats_chunk, residual_chunk, topk,
+            top_p)
 
 
 def _cached_plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, lenience, sigmoid_alpha,
-                 sigmoid_beta, sms, stats_chunk=None, residual_chunk=None, topk=0) -> Plan:
+                 sigmoid_beta, sms, stats_chunk=None, residual_chunk=None, topk=0, top_p=1.0) -> Plan:
     key = _plan_key(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, sigmoid_alpha,
-                    sigmoid_beta, sms, stats_chunk, residual_chunk, topk)
+                    sigmoid_beta, sms, stats_chunk, residual_chunk, topk, top_p)
     plan = _plans.get(key)
     if plan is None:
         plan = _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
                      sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, sms=sms, stats_chunk=stats_chunk,
-                     residual_chunk=residual_chunk, topk=topk)
+                     residual_chunk=residual_chunk, topk=topk, top_p=top_p)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
@@ -446,15 +467,16 @@ def _prepare(
     stats_chunk: int | None = None,
     residual_chunk: int | None = None,
     topk: int = 0,
+    top_p: float = 1.0,
 ) -> Prepared:
     """Validate (once per plan), allocate the buffer and patch the argument lists. Any device (no CuPy here).
 
     state: int32, zero, at least state_size(B, γ) entries; the kernels leave it zero again.
-    topk: in-kernel top-k on the logits scaled by `scale` (exact mode; 0 = none).
+    topk / top_p: in-kernel top-k and top-p on the logits scaled by `scale` (0 / 1 = none; see verify_cuda).
     """
     plan = _cached_plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
                         sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, sms=sms, stats_chunk=stats_chunk,
-                        residual_chunk=residual_chunk, topk=topk)
+                        residual_chunk=residual_chunk, topk=topk, top_p=top_p)
     device = target_logits.device
     for name, t in (("draft_tokens", draft_tokens), ("draft_logits", draft_logits), ("u", u), ("u_res", u_res)):
         if t.device != device:
@@ -581,6 +603,7 @@ def launch(
     sigmoid_alpha: float = -1e4,
     sigmoid_beta: float = 1e4,
     topk: int = 0,
+    top_p: float = 1.0,
     check: bool = True,
     stats_chunk: int | None = None,
     residual_chunk: int | None = None,
@@ -605,7 +628,7 @@ def launch(
             mode, draft_tokens, draft_logits, target_logits, u, u_res,
             scale=scale, lenience=lenience, sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta,
             state=state, sms=_sm_count(device.index), stats_chunk=stats_chunk, residual_chunk=residual_chunk,
-            topk=topk,
+            topk=topk, top_p=top_p,
         )
         functions = _functions(device.index)
         if events is not None:
@@ -640,6 +663,7 @@ def verify_cuda(
     sigmoid_alpha: float = -1e4,
     sigmoid_beta: float = 1e4,
     topk: int = 0,
+    top_p: float = 1.0,
     check: bool = True,
     host: bool = False,
     stats_chunk: int | None = None,
@@ -649,8 +673,10 @@ def verify_cuda(
 
     mode: 'exact' or 'sigmoid'. Logits as verify_tiled receives them after its own preparation: raw logits
     with scale = 1/temperature (temperature-only sampling), or standardized logits (-inf masks) with scale = 1.
-    topk (exact only, 1..MAX_TOPK): mask each row to its k largest values of scale·logits inside the kernels,
-    as `standardize` does (ties with the k-th value kept); pass raw logits and scale = topk_scale(T).
+    topk (1..MAX_TOPK; 0 = off) and top_p ((0, 1]; 1 = off), either mode: filter each row inside the kernels
+    as `standardize` does, on raw logits with scale = topk_scale(T): top-k keeps the k largest values of
+    scale·logits (ties with the k-th kept), then top-p drops a value when the mass of the larger ones
+    reaches fp32(top_p) (the largest always stays; ties with the boundary value all kept, see verify.cu).
     u [B, γ] and u_res [B]: the uniforms, drawn by the caller (u first, then u_res).
     check: read the few output bytes back once and raise InvalidLogitsError (NaN / +inf / all -inf logits,
     naming tensor and row) or ValueError (drafted token outside [0, V)); False: no host sync, no errors.
@@ -660,7 +686,7 @@ def verify_cuda(
     if host and not check:
         raise ValueError("host=True needs check=True (the readback)")
     done = launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
-                  sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, topk=topk, check=check,
+                  sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, topk=topk, top_p=top_p, check=check,
                   stats_chunk=stats_chunk, residual_chunk=residual_chunk)
     if not host:
         return done.outputs

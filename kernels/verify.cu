@@ -8,23 +8,27 @@
 // and q(x) (fp32). No full-vocabulary tensor is ever written.
 //
 // exact, two launches:
-//   1. sv_exact_stats_*    grid (K1, 2γ+1, B): block (c, r, b) reduces chunk c of row r (target rows
+//   1. sv_exact_stats_*    grid (K1, 2γ+1, B) (sv_exact_stats_topk_* with top-k, sv_exact_stats_topp_*
+//      with top-p, alone or after top-k: each variant compiles only what it needs, for registers):
+//      block (c, r, b) reduces chunk c of row r (target rows
 //      0..γ, then draft rows 0..γ-1) to (max, Σ exp(z - max)) with z = scale·logit, one read of each
 //      logit, and writes the pair to partials[b, r, c]. A chunk holding NaN / +inf stores NaN / +inf as
 //      its max: the error flag. With top-k (topk > 0) the block also lists its chunk's k largest values
 //      (radix select over the order-preserving bits of scale·x, four 8-bit histogram passes over the
-//      chunk, which L2 still holds; no sort) into cand[b, r, c, 0..k) and the count of further ties;
-//      the last block of row (b, r) (ticket per row) selects the row's threshold kth among the K1 lists
-//      and sums the normalizer of the values >= kth into rowstat[b, r] = (kth, L).
+//      chunk, which L2 still holds; no sort) into cand[b, r, c, 0..k) and the count of further ties.
+//      With top-k or top-p the last block of row (b, r) (ticket per row) then finds the row's
+//      threshold and the normalizer of the values kept, rowstat[b, r] = (threshold, L): see "Top-k and
+//      top-p" below.
 //   2. sv_exact_resample_* grid (K2, B): every block merges the partials into log-normalizers
 //      L = m + log(s) (redundantly, they are a few KB), computes p(x_j), q(x_j), the ratios and n
-//      (identically in every block; top-k rows take (kth, L) from rowstat), then the residual mass of
-//      its chunk of row n, max(0, p - w·q) with
+//      (identically in every block; filtered rows take (threshold, L) from rowstat), then the residual
+//      mass of its chunk of row n, max(0, p - w·q) with
 //      w = l for a rejection and w = 0 for the bonus, plus the plain p mass (the fallback when the
 //      residual has no mass). The last block of batch b to finish (threadfence + atomic ticket; it
 //      resets the counter for the next call) scans the chunk masses, then the chosen chunk, and writes
 //      next_token.
-// sigmoid, one launch:
+// sigmoid, one launch (two with top-k or top-p: sv_exact_stats_topk_* / _topp_* first, for the rows'
+// thresholds, then sv_sigmoid_filtered_*, which masks with them):
 //   sv_sigmoid_*           grid (K2, 2γ+1, B): p̂ = σ((scale·z - α)/(β - α)) needs no normalizer. Block
 //      (c, r, b) validates chunk c of row r (atomicOr of error bits into a per-row word); the blocks with
 //      r == n also form the residual mass of chunk c. The last block of batch b finishes as above.
@@ -34,15 +38,34 @@
 // the first token whose cumulative residual exceeds goal - (mass before the chunk), clamped likewise.
 // Only entries with positive mass are ever picked.
 //
-// State: counters [B] (ticket per batch row) and, for sigmoid, error words [B, 2γ+1] (exact with top-k:
-// tickets per stacked row, the same words) must be zero before
-// a launch; the last block of each batch row sets its entries back to zero, so one zeroed buffer serves
-// every later call on the same stream. Workspace (partials, masses) needs no initialization.
+// State: counters [B] (ticket per batch row) and error words [B, 2γ+1] (sigmoid: error bits per row;
+// sv_exact_stats_topk_* / _topp_*: tickets per stacked row, the same words, free again before the
+// sigmoid launch that follows it on the stream) must be zero before a launch; the last block of each
+// batch row (or stacked row) sets its entries back to zero, so one zeroed buffer serves every later call
+// on the same stream. Workspace (partials, masses) needs no initialization.
 //
-// Top-k (exact mode only; sigmoid and top-p still get logits standardized by torch): a value z = scale·x
-// below its row's threshold is masked to -inf before exp, as `specviz.sampling.standardize` masks
-// `z < kth`; ties with kth are kept, as there. The wrapper passes scale = fp32(1) / fp32(T), the factor
-// torch on CUDA multiplies by for `z / T`.
+// Top-k and top-p (`specviz.sampling.standardize`: temperature, then top-k, then top-p), both modes. A
+// value z = scale·x below its row's threshold is masked to -inf before exp or the sigmoid, as
+// `standardize` masks; the wrapper passes scale = fp32(1) / fp32(T), the factor torch on CUDA multiplies
+// by for `z / T`. Thresholds, found by the last block of each row in launch 1:
+//   top-k: kth = the k-th largest z, by radix select over the K1 chunk lists; values equal to kth are
+//      kept, as `z < kth` keeps them. L = m + log Σ_{z >= kth} exp(z - m).
+//   top-p: a token is dropped when the mass of the values strictly larger than its own (after top-k)
+//      reaches top_p (compared as fp32(top_p), as torch compares a float32 tensor with a Python float);
+//      the largest value always stays. The threshold is the smallest kept value, found by a radix select
+//      weighted by mass instead of count (sv_mass_select): 8-bit digits from the most significant, each
+//      pass a 256-bin histogram of Σ exp(z - m) over the keys that match the digits chosen so far. Masses
+//      are fixed point (sv_mass), so every sum is exact and independent of the order of the atomics:
+//      the result is deterministic and a digit's mass equals the sum of its sub-digits at the next pass.
+//      Without top-k the passes read the row itself (one block, from L2): two passes for fp16 / bf16,
+//      whose 16-bit values order the row as z does, four for fp32 (keys of z); with top-k they read the
+//      K1·k candidates instead, no pass over the vocabulary. L = m + log of the kept mass.
+//   Ties: every token equal to a threshold stays. For top-k that is standardize's rule; for top-p it is
+//      a choice: torch's sort orders exactly tied values arbitrarily and drops those after the first
+//      one whose exclusive mass reaches top_p, so where tied values straddle the boundary the kernels
+//      keep the whole tie (all of them, or none when the mass before the tie already reaches top_p).
+//   The exclusive masses are exact sums of fp32 probabilities here and fp32 cumsums in torch: a token
+//   whose exclusive mass lies within float32 noise of top_p can fall either way.
 //
 // Arithmetic that decides outcomes repeats torch's fp32 operations on CUDA, unfused (__fmul_rn etc.):
 // scale·z, z - L, exp, l·q, p / (l·q), p - w·q, and for sigmoid (z - α)·(fp32(1) / fp32(β - α)) (torch on
@@ -80,18 +103,55 @@ __device__ __forceinline__ float sv_nan() { return __uint_as_float(0x7fffffffu);
 __device__ __forceinline__ sv_i64 sv_min64(sv_i64 a, sv_i64 b) { return a < b ? a : b; }
 
 // ------------------------------------------------------------------------------------------------
+// Order-preserving keys (radix selects)
+// ------------------------------------------------------------------------------------------------
+
+// Unsigned key with the order of the floats (-inf lowest; NaN above +inf, only in rows that raise).
+// -0 is keyed as +0: they are one value for the masking comparison z < threshold.
+__device__ __forceinline__ unsigned int sv_key(float f) {
+  if (f == 0.0f) f = 0.0f;
+  const unsigned int u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float sv_unkey(unsigned int k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The same for the bits of an fp16 or bf16 value (both are sign-magnitude), in the low 16 bits.
+__device__ __forceinline__ unsigned int sv_key16(unsigned short h) {
+  unsigned int u = h;
+  if ((u & 0x7fffu) == 0u) u = 0u;  // -0 keyed as +0
+  return (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);
+}
+__device__ __forceinline__ unsigned short sv_unkey16(unsigned int k) {
+  return (unsigned short)((k & 0x8000u) ? (k & 0x7fffu) : (~k & 0xffffu));
+}
+
+// ------------------------------------------------------------------------------------------------
 // Logit storage types
 // ------------------------------------------------------------------------------------------------
 
+// value: the logit as fp32. topp_key / topp_threshold / TOPP_PASSES: the key by which top-p ranks a
+// row read straight from the logits (sv_row_items), the threshold on z = scale·x that a key stands for,
+// and how many 8-bit digits the key has. fp32 keys z itself: two logits may round to one z, and such
+// ties must share a key. fp16 / bf16 key the stored bits: scale·x is strictly increasing on them
+// (neighbouring 16-bit values lie at least 2^-11 apart relative to their size, fp32 rounds at 2^-24), so
+// they order the row exactly as z does, with half the digits.
 struct sv_f32 {
   typedef float T;
+  enum { TOPP_PASSES = 4 };
+  static __device__ __forceinline__ float value(float v) { return v; }
   static __device__ __forceinline__ float load(const float* p, sv_i64 i) { return p[i]; }
+  static __device__ __forceinline__ unsigned int topp_key(float v, float scale) {
+    return sv_key(__fmul_rn(v, scale));
+  }
+  static __device__ __forceinline__ float topp_threshold(unsigned int key, float) { return sv_unkey(key); }
 };
 
 struct sv_f16 {
   typedef unsigned short T;
-  static __device__ __forceinline__ float load(const unsigned short* p, sv_i64 i) {
-    const unsigned short h = p[i];
+  enum { TOPP_PASSES = 2 };
+  static __device__ __forceinline__ float value(unsigned short h) {
 #ifdef SPECVIZ_EMULATE
     return sv_emu_half_to_float(h);
 #else
@@ -100,12 +160,21 @@ struct sv_f16 {
     return f;
 #endif
   }
+  static __device__ __forceinline__ float load(const unsigned short* p, sv_i64 i) { return value(p[i]); }
+  static __device__ __forceinline__ unsigned int topp_key(unsigned short h, float) { return sv_key16(h) << 16; }
+  static __device__ __forceinline__ float topp_threshold(unsigned int key, float scale) {
+    return __fmul_rn(value(sv_unkey16(key >> 16)), scale);
+  }
 };
 
 struct sv_bf16 {
   typedef unsigned short T;
-  static __device__ __forceinline__ float load(const unsigned short* p, sv_i64 i) {
-    return __uint_as_float(((unsigned int)p[i]) << 16);
+  enum { TOPP_PASSES = 2 };
+  static __device__ __forceinline__ float value(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+  static __device__ __forceinline__ float load(const unsigned short* p, sv_i64 i) { return value(p[i]); }
+  static __device__ __forceinline__ unsigned int topp_key(unsigned short h, float) { return sv_key16(h) << 16; }
+  static __device__ __forceinline__ float topp_threshold(unsigned int key, float scale) {
+    return __fmul_rn(value(sv_unkey16(key >> 16)), scale);
   }
 };
 
@@ -115,8 +184,9 @@ struct sv_bf16 {
 
 // exact: exp(scale·x - L); sigmoid: 1 / (1 + exp(-((scale·x - α) / (β - α)))). torch on CUDA divides a
 // float tensor by a Python scalar as a multiplication by 1.0f / float(scalar), so the wrapper passes
-// inv_den = fp32(1) / fp32(β - α) and this multiplies. thr: the row's top-k threshold (-inf: none); a
-// value below it is masked to -inf first, as `standardize` does, which gives probability 0 in both modes.
+// inv_den = fp32(1) / fp32(β - α) and this multiplies. thr: the row's top-k / top-p threshold (-inf:
+// none); a value below it is masked to -inf first, as `standardize` does, which gives probability 0 in
+// both modes.
 template <bool SIG>
 __device__ __forceinline__ float sv_prob(float x, float scale, float L, float alpha, float inv_den, float thr) {
   float z = __fmul_rn(x, scale);
@@ -210,17 +280,6 @@ __device__ __forceinline__ float sv_block_exclusive_scan(float v, float* sh) {
 // Top-k: radix select on order-preserving keys (no sort)
 // ------------------------------------------------------------------------------------------------
 
-// Unsigned key with the order of the floats (-inf lowest; NaN above +inf, only in rows that raise).
-// -0 is keyed as +0: they are one value for the masking comparison z < kth.
-__device__ __forceinline__ unsigned int sv_key(float f) {
-  if (f == 0.0f) f = 0.0f;
-  const unsigned int u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float sv_unkey(unsigned int k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 // Keys of scale·x for the columns of one logit row segment (launch 1) ...
 template <class D>
 struct sv_logit_keys {
@@ -228,7 +287,7 @@ struct sv_logit_keys {
   float scale;
   __device__ __forceinline__ unsigned int operator()(sv_i64 i) const { return sv_key(__fmul_rn(D::load(row, i), scale)); }
 };
-// ... and of candidate values already scaled (launch 2).
+// ... and of candidate values already scaled (the row merge at the end of launch 1).
 struct sv_value_keys {
   const float* v;
   __device__ __forceinline__ unsigned int operator()(sv_i64 i) const {
@@ -277,6 +336,163 @@ __device__ __forceinline__ unsigned int sv_select(const G& get, sv_i64 n, int k,
 }
 
 // ------------------------------------------------------------------------------------------------
+// Top-p: radix select weighted by probability mass (no sort)
+// ------------------------------------------------------------------------------------------------
+
+typedef unsigned long long sv_u64;
+
+// Probability mass in fixed point: exp(z - m) (<= 1, m the row max) times 2^F, truncated, with
+// F = 62 - floor(log2 V), so that the masses of a row's V tokens sum below 2^63. Integer sums are exact,
+// so the histograms' shared-memory atomics give the same bits in any order (float atomics would not:
+// the threshold and the normalizer would change from run to run), and every pass recomputes bitwise the
+// same masses. What truncation drops is below 2^-F per token, V·2^-F in all: under 2^-26 of the row
+// max's mass for V < 2^18.
+__device__ __forceinline__ int sv_mass_bits(sv_i64 V) { return 62 - (63 - __clzll(V)); }
+__device__ __forceinline__ float sv_pow2(int e) { return __uint_as_float((unsigned int)(127 + e) << 23); }
+__device__ __forceinline__ sv_u64 sv_mass(float z, float m, float one) {
+  return (sv_u64)__fmul_rn(expf(__fsub_rn(z, m)), one);  // one = 2^F; exp(-inf) = 0
+}
+
+// ceil(top_p · total), at most total: a value is kept while the mass of the larger values is below it.
+// At least 1 (top_p > 0, total > 0), so the largest value, with nothing above it, always stays.
+__device__ __forceinline__ sv_u64 sv_topp_goal(float top_p, sv_u64 total) {
+  const double g = (double)top_p * (double)total;
+  sv_u64 goal = (sv_u64)g;
+  if ((double)goal < g) ++goal;
+  return goal < total ? goal : total;
+}
+
+// Inclusive prefix sum of v over the threads of the block, in thread order; *total: the block's sum.
+// Integer, so exact. Call from all threads. sh: SV_WARPS words.
+__device__ __forceinline__ sv_u64 sv_block_inclusive_scan_u64(sv_u64 v, sv_u64* sh, sv_u64* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  sv_u64 incl = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const sv_u64 t = __shfl_up_sync(SV_FULL, incl, off);
+    if (lane >= off) incl += t;
+  }
+  if (lane == 31) sh[warp] = incl;
+  __syncthreads();
+  sv_u64 base = 0ull, all = 0ull;
+  for (int w = 0; w < SV_WARPS; ++w) {
+    if (w < warp) base += sh[w];
+    all += sh[w];
+  }
+  __syncthreads();  // sh may be reused right after
+  *total = all;
+  return base + incl;
+}
+
+static_assert(SV_THREADS == 256, "sv_mass_select gives each thread one of the 256 digits");
+
+// Top-p threshold of items(0..n-1): the largest key K whose inclusive mass (the mass of the keys >= K)
+// reaches goal = sv_topp_goal(top_p, total mass); the keys above K then hold less than the goal, and
+// every key >= K is kept (ties with K included). *kept: the mass of the keys >= K. `passes` 8-bit digits
+// from bit 31 down (the keys' remaining bits must be zero). items.get(i, mask, prefix, &key, &mass):
+// false when entry i's key does not match prefix under mask, else its key and fixed-point mass.
+//
+// Invariant, pass by pass: above (the mass of keys whose digits so far exceed the prefix) < goal <=
+// above + the mass matching the prefix. Thread t owns digit 255 - t, so an inclusive scan over the
+// threads is the mass from the top digit down to its own; exactly one thread sees its scan cross the
+// goal, and that digit extends the prefix. Integer masses keep the invariant exact: a digit's mass is
+// the total of the next pass. Every thread returns the same key. Call from all threads.
+template <class G>
+__device__ __forceinline__ unsigned int sv_mass_select(const G& items, sv_i64 n, int passes, float top_p,
+                                                       sv_u64* kept) {
+  __shared__ sv_u64 s_hist[256];
+  __shared__ sv_u64 s_scan[SV_WARPS];
+  __shared__ sv_u64 s_cross[2];
+  __shared__ int s_digit;
+  unsigned int prefix = 0u, mask = 0u;
+  sv_u64 above = 0ull, goal = 0ull, inside = 0ull;
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = 24 - 8 * pass;
+    s_hist[threadIdx.x] = 0ull;
+    __syncthreads();
+    for (sv_i64 i = threadIdx.x; i < n; i += (sv_i64)SV_THREADS * SV_UNROLL) {
+#pragma unroll
+      for (int u = 0; u < SV_UNROLL; ++u) {
+        const sv_i64 j = i + (sv_i64)u * SV_THREADS;
+        unsigned int key;
+        sv_u64 mass;
+        if (j < n && items.get(j, mask, prefix, key, mass) && mass != 0ull) {
+          atomicAdd(&s_hist[(key >> shift) & 255u], mass);
+        }
+      }
+    }
+    __syncthreads();
+    const int digit = 255 - (int)threadIdx.x;
+    const sv_u64 h = s_hist[digit];
+    sv_u64 total;
+    const sv_u64 incl = sv_block_inclusive_scan_u64(h, s_scan, &total);
+    if (pass == 0) goal = sv_topp_goal(top_p, total);
+    const int crosses = above + (incl - h) < goal && above + incl >= goal;
+    if (crosses) {
+      s_digit = digit;
+      s_cross[0] = above + (incl - h);
+      s_cross[1] = above + incl;
+    }
+    if (__syncthreads_or(crosses)) {
+      prefix |= (unsigned int)s_digit << shift;
+      above = s_cross[0];
+      inside = s_cross[1];
+    } else {  // only if the invariant broke (it cannot): keep the whole prefix range
+      inside = above + total;
+      above = inside - s_hist[0];
+    }
+    mask |= 255u << shift;
+    __syncthreads();  // s_hist, s_digit and s_cross are rewritten by the next pass
+  }
+  *kept = inside;
+  return prefix;
+}
+
+// Top-p items read straight from one logit row (no top-k): key and mass of z = scale·x.
+template <class D>
+struct sv_row_items {
+  const typename D::T* row;
+  float scale, m, one;
+  __device__ __forceinline__ bool get(sv_i64 i, unsigned int mask, unsigned int prefix, unsigned int& key,
+                                      sv_u64& mass) const {
+    const typename D::T v = row[i];
+    key = D::topp_key(v, scale);
+    if ((key & mask) != prefix) return false;
+    mass = sv_mass(__fmul_rn(D::value(v), scale), m, one);
+    return true;
+  }
+};
+
+// Top-p items after top-k: the K1 chunk lists of launch 1 (written by other blocks: read through
+// volatile), entries < kth weighing nothing, then one entry per chunk for its unlisted ties with its
+// k-th value t_c, weighing their count where t_c == kth (as sv_topk_normalizer counts them).
+struct sv_cand_items {
+  const float* list;  // [K1·k]
+  const int* extra;   // [K1]
+  sv_i64 listed;      // K1·k
+  int k;
+  float kth, m, one;
+  __device__ __forceinline__ bool get(sv_i64 i, unsigned int mask, unsigned int prefix, unsigned int& key,
+                                      sv_u64& mass) const {
+    const volatile float* vl = list;
+    float v;
+    sv_u64 weight = 1ull;
+    if (i < listed) {
+      v = vl[i];
+    } else {
+      const sv_i64 c = i - listed;
+      v = vl[c * k + k - 1];
+      const int e = ((const volatile int*)extra)[c];
+      weight = e > 0 ? (sv_u64)e : 0ull;
+    }
+    key = sv_key(v);
+    if ((key & mask) != prefix) return false;
+    mass = v >= kth && weight != 0ull ? weight * sv_mass(v, m, one) : 0ull;
+    return true;
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
 // Shared context
 // ------------------------------------------------------------------------------------------------
 
@@ -323,8 +539,8 @@ __device__ __forceinline__ float sv_residual_at(const sv_ctx<D>& x, const typena
 // Ratios at the drafted tokens and the number accepted, n = index of the first rejection (γ if none),
 // left in *s_first; the first out-of-range drafted token in *s_badtok. Identical in every block (the same
 // operations on the same values). `write`: this block stores accept_prob, p_draft, q_draft and a copy of u.
-// L: shared log-normalizers of the stacked rows (exact); unused for sigmoid. T: shared top-k thresholds
-// of the stacked rows, or null (no top-k). Call from all threads;
+// L: shared log-normalizers of the stacked rows (exact); unused for sigmoid. T: shared top-k / top-p
+// thresholds of the stacked rows, or null (neither). Call from all threads;
 // *s_first and *s_badtok must hold γ and a barrier must separate that from this call.
 template <class D, bool SIG>
 __device__ __forceinline__ void sv_accept(const sv_ctx<D>& x, int b, const float* L, const float* T,
@@ -567,39 +783,97 @@ __device__ __forceinline__ float sv_block_max(float v, float* sh) {
   return v;
 }
 
-// One top-k row from its K1 chunk lists (list [K1·k], extra [K1], written by other blocks: read through
-// volatile after the caller's fence): the threshold kth = the k-th largest candidate (= the row's k-th
-// largest value) and the log-normalizer of the kept columns (value >= kth, ties included, as torch's
-// `z < kth` mask keeps them), stored as rowstat[0..1]. Call from all threads.
-__device__ __forceinline__ void sv_topk_row(const float* list_, const int* extra_, int K1, int k, float* rowstat) {
+// The max of row (b, r) from launch 1's partials ([K1] (max, sum) pairs, written by other blocks: read
+// through volatile after the caller's fence), and whether the row raises: a NaN / +inf chunk, or no
+// finite value (launch 2 and the sigmoid launch flag such rows; they get no thresholds). Every thread
+// gets both. sh: SV_WARPS floats. Call from all threads.
+__device__ __forceinline__ float sv_row_max(const float* partials, int K1, int* bad, float* sh) {
+  const volatile float* pr = partials;
+  float m = sv_neg_inf();
+  int flag = 0;
+  for (int c = threadIdx.x; c < K1; c += SV_THREADS) {
+    const float mc = pr[2 * c];
+    flag |= mc != mc || mc == sv_pos_inf();  // a chunk's NaN / +inf flag
+    m = fmaxf(m, mc);  // skips NaN; a +inf comes with the flag
+  }
+  const int any = __syncthreads_or(flag);
+  m = sv_block_max(m, sh);
+  *bad = any || m == sv_neg_inf();
+  return m;
+}
+
+// Top-k threshold of a row: the k-th largest of its K1 chunk lists (list [K1·k], volatile reads), which is
+// the row's k-th largest value. Every thread gets it. Call from all threads.
+__device__ __forceinline__ float sv_topk_threshold(const float* list, int K1, int k) {
   __shared__ unsigned int s_hist[256];
   __shared__ int s_misc[3];
+  sv_value_keys keys;
+  keys.v = list;
+  int gt, eq;
+  return sv_unkey(sv_select(keys, (sv_i64)K1 * k, k, s_hist, s_misc, &gt, &eq));
+}
+
+// Log-normalizer m + log Σ exp(z - m) of a top-k row's kept columns (value >= kth, ties included, as
+// torch's `z < kth` mask keeps them): the listed ones and each chunk's unlisted ties with its k-th value
+// where that equals kth (list [K1·k], extra [K1], volatile reads). m: the row max. Call from all threads.
+__device__ __forceinline__ float sv_topk_normalizer(const float* list_, const int* extra_, int K1, int k,
+                                                    float kth, float m) {
   __shared__ float s_red[2 * SV_WARPS];
   const volatile float* list = list_;
   const volatile int* extra = extra_;
   const sv_i64 n = (sv_i64)K1 * k;
-  sv_value_keys keys;
-  keys.v = list_;
-  int gt, eq;
-  const float kth = sv_unkey(sv_select(keys, n, k, s_hist, s_misc, &gt, &eq));
-  float m = sv_neg_inf();
-  for (sv_i64 i = threadIdx.x; i < n; i += SV_THREADS) m = fmaxf(m, list[i]);
-  m = sv_block_max(m, s_red);
   float sum = 0.0f, unused = 0.0f;
-  if (m != sv_neg_inf() && m != sv_pos_inf()) {  // block-uniform; such rows raise (the flags of launch 2)
-    for (sv_i64 i = threadIdx.x; i < n; i += SV_THREADS) {
-      const float v = list[i];
-      if (v >= kth) sum += expf(v - m);
-    }
-    for (int ch = threadIdx.x; ch < K1; ch += SV_THREADS) {
-      const int e = extra[ch];
-      if (e > 0 && list[(sv_i64)ch * k + k - 1] == kth) sum += (float)e * expf(kth - m);
-    }
+  for (sv_i64 i = threadIdx.x; i < n; i += SV_THREADS) {
+    const float v = list[i];
+    if (v >= kth) sum += expf(v - m);
+  }
+  for (int ch = threadIdx.x; ch < K1; ch += SV_THREADS) {
+    const int e = extra[ch];
+    if (e > 0 && list[(sv_i64)ch * k + k - 1] == kth) sum += (float)e * expf(kth - m);
   }
   sv_block_sum2(sum, unused, s_red);
+  return m + logf(sum);
+}
+
+// The last block of row (b, r) in launch 1: rowstat = (threshold, L), the smallest value the row keeps
+// and the log-normalizer of the kept values, for top-k (topk > 0) and / or top-p (top_p < 1; see the
+// header). With top-k, top-p ranks the K1·k candidates (4 passes over them, none over the row); without,
+// it reads the row itself (D::TOPP_PASSES passes). row: the logits [V]; partials [K1] pairs; list
+// [K1·topk] and extra [K1]: the chunk lists (top-k only). TOPP: compile the top-p code in (it needs ~20
+// more registers, which would cost the top-k-only launch occupancy). Call from all threads.
+template <class D, bool TOPP>
+__device__ __forceinline__ void sv_row_thresholds(const typename D::T* row, sv_i64 V, float scale,
+                                                  const float* partials, int K1, int topk, float top_p,
+                                                  const float* list, const int* extra, float* rowstat) {
+  __shared__ float s_max[SV_WARPS];
+  int bad;
+  const float m = sv_row_max(partials, K1, &bad, s_max);
+  if (bad) {  // block-uniform
+    if (threadIdx.x == 0) {
+      rowstat[0] = sv_neg_inf();
+      rowstat[1] = sv_neg_inf();
+    }
+    return;
+  }
+  const float kth = topk > 0 ? sv_topk_threshold(list, K1, topk) : sv_neg_inf();
+  float thr = kth, L;
+  if (TOPP && top_p < 1.0f) {  // block-uniform, as is topk
+    const int F = sv_mass_bits(V);
+    sv_u64 kept;
+    if (topk > 0) {
+      const sv_cand_items items{list, extra, (sv_i64)K1 * topk, topk, kth, m, sv_pow2(F)};
+      thr = sv_unkey(sv_mass_select(items, (sv_i64)K1 * topk + K1, 4, top_p, &kept));
+    } else {
+      const sv_row_items<D> items{row, scale, m, sv_pow2(F)};
+      thr = D::topp_threshold(sv_mass_select(items, V, D::TOPP_PASSES, top_p, &kept), scale);
+    }
+    L = m + logf(__fmul_rn((float)kept, sv_pow2(-F)));
+  } else {
+    L = sv_topk_normalizer(list, extra, K1, topk, kth, m);
+  }
   if (threadIdx.x == 0) {
-    rowstat[0] = kth;
-    rowstat[1] = m + logf(sum);
+    rowstat[0] = thr;
+    rowstat[1] = L;
   }
 }
 
@@ -621,12 +895,19 @@ __device__ __forceinline__ void sv_online(float xv, float scale, float& m, float
   }
 }
 
-template <class D>
+// FILTER: which entry point. SV_PLAIN (sv_exact_stats_*): statistics only; SV_TOPK
+// (sv_exact_stats_topk_*): and top-k (the wrapper passes top_p = 1); SV_TOPP (sv_exact_stats_topp_*): and
+// top-p, with or without top-k. Each leaves out the code it does not need, so that its registers (and the
+// occupancy of this bandwidth-bound pass) stay low: 24, 39 and 62 for sm_90.
+#define SV_PLAIN 0
+#define SV_TOPK 1
+#define SV_TOPP 2
+template <class D, int FILTER>
 __device__ __forceinline__ void sv_exact_stats(const typename D::T* zp, sv_i64 p_sb, sv_i64 p_sr,
                                                const typename D::T* zq, sv_i64 q_sb, sv_i64 q_sr,
                                                int gamma, sv_i64 V, float scale, sv_i64 chunk1,
-                                               float* partials, int topk, float* cand, int* cextra,
-                                               float* rowstat, unsigned int* tickets) {
+                                               float* partials, int topk, float top_p, float* cand,
+                                               int* cextra, float* rowstat, unsigned int* tickets) {
   __shared__ float sh_m[SV_WARPS], sh_s[SV_WARPS];
   __shared__ int s_last;
   const int c = blockIdx.x, r = blockIdx.y, b = blockIdx.z;
@@ -665,20 +946,23 @@ __device__ __forceinline__ void sv_exact_stats(const typename D::T* zp, sv_i64 p
       out[1] = ss;
     }
   }
-  if (topk <= 0) return;  // block-uniform (the same topk in every block)
+  if (FILTER == SV_PLAIN || (topk <= 0 && !(top_p < 1.0f))) return;  // block-uniform (same in every block)
   const sv_i64 br = (sv_i64)b * R + r;
-  sv_chunk_topk<D>(row, scale, start, end - start, topk, cand + (br * K1 + c) * topk, cextra + br * K1 + c);
-  __threadfence();  // this thread's list entries are visible device-wide before the ticket is taken
+  if (topk > 0) {
+    sv_chunk_topk<D>(row, scale, start, end - start, topk, cand + (br * K1 + c) * topk, cextra + br * K1 + c);
+  }
+  __threadfence();  // this thread's writes (list entries, partials) are visible device-wide before the ticket
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned int ticket = atomicAdd(&tickets[br], 1u);
     s_last = ticket == (unsigned int)K1 - 1u;
   }
   __syncthreads();
-  if (!s_last) return;  // block-uniform: the last block of row (b, r) merges its K1 lists
+  if (!s_last) return;  // block-uniform: the last block of row (b, r) finds its thresholds
   if (threadIdx.x == 0) tickets[br] = 0u;  // every block of the row has taken its ticket: reset
   __threadfence();
-  sv_topk_row(cand + br * K1 * topk, cextra + br * K1, K1, topk, rowstat + br * 2);
+  sv_row_thresholds<D, FILTER == SV_TOPP>(row, V, scale, partials + br * K1 * 2, K1, topk, top_p,
+                                          cand + br * K1 * topk, cextra + br * K1, rowstat + br * 2);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -688,7 +972,7 @@ __device__ __forceinline__ void sv_exact_stats(const typename D::T* zp, sv_i64 p
 template <class D>
 __device__ __forceinline__ void sv_exact_resample(const sv_ctx<D>& x, sv_i64 chunk2, int K1,
                                                   const float* partials, float* masses,
-                                                  unsigned int* counters, int topk, const float* rowstat) {
+                                                  unsigned int* counters, int filtered, const float* rowstat) {
   __shared__ float s_L[SV_MAX_ROWS], s_T[SV_MAX_ROWS];
   __shared__ int s_flag[SV_MAX_ROWS];
   __shared__ float s_red[2 * SV_WARPS];
@@ -720,13 +1004,13 @@ __device__ __forceinline__ void sv_exact_resample(const sv_ctx<D>& x, sv_i64 chu
     bits = sv_warp_or(bits);
     if (lane == 0) {
       if (bits == 0 && m == sv_neg_inf()) bits = SV_ONLY_NEGINF;
-      s_L[r] = m + logf(s);  // top-k rows: replaced below by launch 1's normalizer of the kept values
+      s_L[r] = m + logf(s);  // filtered rows: replaced below by launch 1's normalizer of the kept values
       s_T[r] = sv_neg_inf();
       s_flag[r] = bits;
     }
   }
   __syncthreads();
-  if (topk > 0) {  // thresholds and normalizers of the top-k rows, merged by launch 1
+  if (filtered) {  // thresholds and normalizers of the top-k / top-p rows, from launch 1
     for (int r = threadIdx.x; r < R; r += SV_THREADS) {
       const float* rs = rowstat + ((sv_i64)b * R + r) * 2;
       s_T[r] = rs[0];
@@ -735,7 +1019,7 @@ __device__ __forceinline__ void sv_exact_resample(const sv_ctx<D>& x, sv_i64 chu
     __syncthreads();
   }
 
-  sv_accept<D, false>(x, b, s_L, topk > 0 ? s_T : (const float*)0, c == 0, &s_first, &s_badtok);
+  sv_accept<D, false>(x, b, s_L, filtered ? s_T : (const float*)0, c == 0, &s_first, &s_badtok);
   __syncthreads();
   const int n = s_first;
   const int qn = n < gamma ? n : gamma - 1;
@@ -765,13 +1049,16 @@ __device__ __forceinline__ void sv_exact_resample(const sv_ctx<D>& x, sv_i64 chu
 }
 
 // ------------------------------------------------------------------------------------------------
-// sigmoid: one launch
+// sigmoid: one launch (after launch 1 of exact when filtered)
 // ------------------------------------------------------------------------------------------------
 
-template <class D>
+// FILTER: the entry point sv_sigmoid_filtered_*, whose rows have top-k / top-p thresholds in rowstat (from
+// sv_exact_stats_topk_* / _topp_*); the plain one keeps the registers of the unfiltered pass.
+template <class D, bool FILTER>
 __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, float* masses,
-                                           int* rowflags, unsigned int* counters) {
+                                           int* rowflags, unsigned int* counters, const float* rowstat) {
   __shared__ int s_flag[SV_MAX_ROWS];
+  __shared__ float s_T[SV_MAX_ROWS];
   __shared__ float s_red[2 * SV_WARPS];
   __shared__ int s_first, s_badtok, s_last;
   const int c = blockIdx.x, r = blockIdx.y, b = blockIdx.z;
@@ -781,12 +1068,18 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
     s_first = gamma;
     s_badtok = gamma;
   }
+  // top-k / top-p thresholds of the stacked rows, from the sv_exact_stats_* launch before this one
+  if (FILTER) {
+    for (int rr = threadIdx.x; rr < R; rr += SV_THREADS) s_T[rr] = rowstat[((sv_i64)b * R + rr) * 2];
+  }
   __syncthreads();
-  sv_accept<D, true>(x, b, (const float*)0, (const float*)0, c == 0 && r == 0, &s_first, &s_badtok);
+  sv_accept<D, true>(x, b, (const float*)0, FILTER ? s_T : (const float*)0, c == 0 && r == 0, &s_first,
+                     &s_badtok);
   __syncthreads();
   const int n = s_first;
   const int qn = n < gamma ? n : gamma - 1;
   const float w = n < gamma ? x.lenience : 0.0f;
+  const float Tp = FILTER ? s_T[n] : sv_neg_inf(), Tq = FILTER ? s_T[gamma + 1 + qn] : sv_neg_inf();
   const bool role = r == n;  // block-uniform: this block also forms the residual mass of chunk c
 
   // Validate chunk c of row r; when r is target row n, form the residual from the same reads.
@@ -815,9 +1108,9 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
       }
       const sv_i64 col = i + (sv_i64)k * SV_THREADS;
       if (role && col < end) {
-        const float p = sv_prob<true>(xv, x.scale, 0.0f, x.alpha, x.inv_den, sv_neg_inf());
+        const float p = sv_prob<true>(xv, x.scale, 0.0f, x.alpha, x.inv_den, Tp);
         float wq = 0.0f;
-        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<true>(D::load(qrow, col), x.scale, 0.0f, x.alpha, x.inv_den, sv_neg_inf()));
+        if (w != 0.0f) wq = __fmul_rn(w, sv_prob<true>(D::load(qrow, col), x.scale, 0.0f, x.alpha, x.inv_den, Tq));
         rsum += fmaxf(__fsub_rn(p, wq), 0.0f);
         psum += p;
       }
@@ -854,7 +1147,7 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
     s_flag[rr] = flag;
   }
   __syncthreads();
-  sv_finish<D, true>(x, b, n, 0.0f, 0.0f, sv_neg_inf(), sv_neg_inf(), s_flag, mb, K2, chunk2, s_badtok, s_red);
+  sv_finish<D, true>(x, b, n, 0.0f, 0.0f, Tp, Tq, s_flag, mb, K2, chunk2, s_badtok, s_red);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -887,25 +1180,35 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
   x.out_i64 = out_i64;                                                                             \
   x.out_f32 = out_f32;
 
-#define SV_ENTRY_POINTS(SUFFIX, DT)                                                                \
-  extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_exact_stats_##SUFFIX(                \
+#define SV_STATS_ENTRY(NAME, DT, FILTER)                                                           \
+  extern "C" __global__ void __launch_bounds__(SV_THREADS) NAME(                                   \
       const DT::T* zp, sv_i64 p_sb, sv_i64 p_sr, const DT::T* zq, sv_i64 q_sb, sv_i64 q_sr,        \
-      int gamma, sv_i64 V, float scale, sv_i64 chunk1, float* partials, int topk, float* cand,      \
-      int* cextra, float* rowstat, unsigned int* tickets) {                                        \
-    sv_exact_stats<DT>(zp, p_sb, p_sr, zq, q_sb, q_sr, gamma, V, scale, chunk1, partials, topk,    \
-                       cand, cextra, rowstat, tickets);                                            \
-  }                                                                                                \
+      int gamma, sv_i64 V, float scale, sv_i64 chunk1, float* partials, int topk, float top_p,     \
+      float* cand, int* cextra, float* rowstat, unsigned int* tickets) {                           \
+    sv_exact_stats<DT, FILTER>(zp, p_sb, p_sr, zq, q_sb, q_sr, gamma, V, scale, chunk1, partials,  \
+                               topk, top_p, cand, cextra, rowstat, tickets);                       \
+  }
+
+#define SV_SIGMOID_ENTRY(NAME, DT, FILTER)                                                         \
+  extern "C" __global__ void __launch_bounds__(SV_THREADS) NAME(                                   \
+      SV_CTX_PARAMS, sv_i64 chunk2, float* masses, int* rowflags, unsigned int* counters,          \
+      const float* rowstat) {                                                                      \
+    SV_FILL_CTX(DT)                                                                                \
+    sv_sigmoid<DT, FILTER>(x, chunk2, masses, rowflags, counters, rowstat);                        \
+  }
+
+#define SV_ENTRY_POINTS(SUFFIX, DT)                                                                \
+  SV_STATS_ENTRY(sv_exact_stats_##SUFFIX, DT, SV_PLAIN)                                            \
+  SV_STATS_ENTRY(sv_exact_stats_topk_##SUFFIX, DT, SV_TOPK)                                        \
+  SV_STATS_ENTRY(sv_exact_stats_topp_##SUFFIX, DT, SV_TOPP)                                        \
   extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_exact_resample_##SUFFIX(             \
       SV_CTX_PARAMS, sv_i64 chunk2, int K1, const float* partials, float* masses,                  \
-      unsigned int* counters, int topk, const float* rowstat) {                                   \
+      unsigned int* counters, int filtered, const float* rowstat) {                               \
     SV_FILL_CTX(DT)                                                                                \
-    sv_exact_resample<DT>(x, chunk2, K1, partials, masses, counters, topk, rowstat);               \
+    sv_exact_resample<DT>(x, chunk2, K1, partials, masses, counters, filtered, rowstat);           \
   }                                                                                                \
-  extern "C" __global__ void __launch_bounds__(SV_THREADS) sv_sigmoid_##SUFFIX(                    \
-      SV_CTX_PARAMS, sv_i64 chunk2, float* masses, int* rowflags, unsigned int* counters) {        \
-    SV_FILL_CTX(DT)                                                                                \
-    sv_sigmoid<DT>(x, chunk2, masses, rowflags, counters);                                         \
-  }
+  SV_SIGMOID_ENTRY(sv_sigmoid_##SUFFIX, DT, false)                                                 \
+  SV_SIGMOID_ENTRY(sv_sigmoid_filtered_##SUFFIX, DT, true)
 
 #define TT sv_f32::T
 SV_ENTRY_POINTS(f32, sv_f32)

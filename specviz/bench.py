@@ -74,7 +74,7 @@ def _median_gpu_us(run: Callable[[tuple], object], warmup: int, iters: int) -> f
 
 
 def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000), gammas=(1, 5, 10, 20),
-                      batches=(1, 8), dtypes=("fp16", "fp32"), warmup: int = 10, iters: int = 50, top_k: int = 0,
+                      batches=(1, 8), dtypes=("fp16", "fp32"), warmup: int = 10, iters: int = 50, top_k: int = 0, top_p: float = 1.0,
                       on_case: Callable[[dict], None] | None = None) -> list[dict]:
     """µs per verification for each mode and path (torch; the CuPy kernels where they run).
 
@@ -88,14 +88,15 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
     - host_us (kernel path): call_us - gpu_us, the host's share (Python, launches, uniforms, readback);
     - speedup: the baseline's call_us over this row's (same V, B, γ, dtype);
     - floor_bytes = (2γ+1)·V·B·s and achieved_GBps = floor / gpu_us (call_us where there is no gpu_us).
-    top_k > 0 adds top-k to the sampling (temperature 1): in-kernel top-k for exact on the kernel path.
+    top_k > 0 and top_p < 1 add those filters to the sampling (temperature 1); the kernel path applies them
+    inside the kernels (top_k ≤ kernels.MAX_TOPK).
     """
     import torch
 
     from .config import SamplingConfig
     from .verify import kernels_active, project_kernels, verify
 
-    sampling = SamplingConfig(temperature=1.0, top_k=top_k)
+    sampling = SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p)
     kernels_on = device.type == "cuda" and kernels_active()
     backends = ["torch"] + (["cuda"] if kernels_on else [])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -120,7 +121,7 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
                                 verify(mode, tokens, draft, target, sampling, g, backend=backend).host()
 
                             sync()
-                            row = {"V": V, "B": B, "gamma": gamma, "dtype": dt, "top_k": top_k, "mode": mode,
+                            row = {"V": V, "B": B, "gamma": gamma, "dtype": dt, "top_k": top_k, "top_p": top_p, "mode": mode,
                                    "path": "kernel" if backend == "cuda" else "torch",
                                    "call_us": _median_us(call, warmup, iters), "nocheck_us": None, "gpu_us": None,
                                    "host_us": None, "floor_bytes": floor}
@@ -142,10 +143,10 @@ def _kernel_split(kernels, mode, sampling, tokens, draft, target, g, warmup, ite
     """The kernel path without its readback (check=False, then a stream sync), and its GPU time alone."""
     import torch
 
-    from .verify import kernel_inputs
+    from .verify import kernel_args
 
-    draft, target, u, u_res, scale, topk = kernel_inputs(mode, tokens, draft, target, sampling, g)
-    opts = dict(scale=scale, topk=topk, sigmoid_alpha=-1e4, sigmoid_beta=1e4)
+    draft, target, u, u_res, options = kernel_args(mode, tokens, draft, target, sampling, g)
+    opts = dict(options, sigmoid_alpha=-1e4, sigmoid_beta=1e4)
     stream = torch.cuda.current_stream()
 
     def nocheck():

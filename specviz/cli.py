@@ -480,14 +480,15 @@ def cmd_bench_verify(args: argparse.Namespace) -> int:
               f"{r['floor_bytes'] / 1e6:9.2f} {r['achieved_GBps']:7.1f}", flush=True)
 
     rows = verify_microbench(device, vocabs=args.vocab, gammas=args.gamma, batches=args.batch, dtypes=args.dtype,
-                             warmup=args.warmup, iters=args.iters, top_k=args.top_k, on_case=show)
+                             warmup=args.warmup, iters=args.iters, top_k=args.top_k, top_p=args.top_p,
+                             on_case=show)
     print(f"\n{machine.describe()}; median of {args.iters} calls after {args.warmup} warm-up calls. call: wall time "
           "until the results are on the host (kernel path: with its input checks, one readback); no-check: "
           "the kernels with check=False until the stream is idle; GPU: CUDA events around the kernel launches; "
           "host = call - GPU; × base: the baseline's call time over this row's")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine.describe(), "device": str(device),
-                                               "warmup": args.warmup, "iters": args.iters, "top_k": args.top_k,
+                                               "warmup": args.warmup, "iters": args.iters, "top_k": args.top_k, "top_p": args.top_p,
                                                "rows": rows}, indent=2))
     return 0
 
@@ -548,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--dtype", nargs="+", default=["fp16", "fp32"], choices=["fp16", "bf16", "fp32"])
     bv.add_argument("--warmup", type=int, default=10)
     bv.add_argument("--iters", type=int, default=50)
-    bv.add_argument("--top-k", type=int, default=0, help="add top-k to the sampling (in-kernel for exact)")
+    bv.add_argument("--top-k", type=int, default=0, help="add top-k to the sampling (in-kernel on the kernel path)")
+    bv.add_argument("--top-p", type=float, default=1.0, help="add top-p to the sampling (in-kernel on the kernel path)")
     bv.add_argument("--json", metavar="FILE")
     bv.set_defaults(func=cmd_bench_verify)
     return parser

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -32,8 +33,8 @@ from ..sampling import check_logits
 from .baseline import verify_baseline
 from .tiled import DEFAULT_TILE, verify_tiled
 
-__all__ = ["VerifyHost", "VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active", "kernel_inputs", "kernel_sampling",
-           "project_kernels"]
+__all__ = ["VerifyHost", "VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active", "kernel_args",
+           "kernel_sampling", "KernelArgs", "KernelSampling", "project_kernels"]
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,8 @@ def verify(
 
     On the kernel path a call launches the two uniform draws and the kernels and reads back once (the
     result's `host()` is that copy); input problems (bad logits, drafted ids outside [0, V)) are raised
-    from that readback. With top-k alone (exact mode) the kernels apply it themselves; top-p, and top-k
-    in sigmoid mode, standardize the logits with torch first.
+    from that readback. The kernels apply temperature, top-k and top-p themselves in both modes (see
+    `kernel_sampling`); only top_k above their MAX_TOPK standardizes the logits with torch first.
     """
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -217,41 +218,64 @@ def _use_kernels(mode: str, sampling: SamplingConfig, target_logits: torch.Tenso
     return backend == "auto" and wanted and kernels_active()
 
 
-def kernel_sampling(mode: str, sampling: SamplingConfig, vocab: int) -> tuple[str, float, int]:
-    """How the kernel path applies `sampling`: ('scale', 1/T, 0) temperature only, fused; ('topk', s, k) top-k
-    inside the kernels on raw logits times s = fp32(1)/fp32(T) (torch's `z / T` on CUDA); ('standardize', 1, 0)
-    logits standardized by torch first (top-p, sigmoid with top-k, k > MAX_TOPK)."""
+class KernelSampling(NamedTuple):
+    """How the kernel path applies a SamplingConfig (see `kernel_sampling`)."""
+
+    how: str  # 'scale', 'filter' or 'standardize'
+    scale: float  # the factor the kernels multiply the logits they receive by
+    topk: int  # in-kernel top-k (0: none)
+    top_p: float  # in-kernel top-p (1.0: none)
+
+
+def kernel_sampling(mode: str, sampling: SamplingConfig, vocab: int) -> KernelSampling:
+    """How the kernel path applies `sampling` (non-greedy; mode 'exact' and 'sigmoid' route alike):
+
+    - ('scale', 1/T, 0, 1.0): temperature only, fused into the kernels' reads;
+    - ('filter', s, k, p): top-k and / or top-p inside the kernels, on raw logits times s = fp32(1)/fp32(T)
+      (torch's `z / T` on CUDA), with `standardize`'s semantics (ties with the top-p boundary value kept);
+    - ('standardize', 1.0, 0, 1.0): logits standardized by torch first. Only for top_k > MAX_TOPK, whose
+      candidate lists the last block of a row could not merge quickly (with or without top-p).
+    """
     if sampling.temperature_only:
-        return "scale", 1.0 / sampling.temperature, 0
+        return KernelSampling("scale", 1.0 / sampling.temperature, 0, 1.0)
     top_k = sampling.top_k if sampling.top_k < vocab else 0  # standardize skips top_k >= V
     # standardize's `z / T` is z · (fp32(1) / fp32(T)) on CUDA: the kernels multiply by that factor
     scale = 1.0 if sampling.temperature == 1.0 else float(project_kernels().topk_scale(sampling.temperature))
     if sampling.top_p == 1.0 and not top_k:
-        return "scale", scale, 0
-    if sampling.top_p == 1.0 and mode == "exact" and top_k <= project_kernels().MAX_TOPK:
-        return "topk", scale, top_k
-    return "standardize", 1.0, 0
+        return KernelSampling("scale", scale, 0, 1.0)
+    if top_k > project_kernels().MAX_TOPK:
+        return KernelSampling("standardize", 1.0, 0, 1.0)
+    return KernelSampling("filter", scale, top_k, sampling.top_p)
 
 
-def kernel_inputs(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
-                  sampling: SamplingConfig, generator: torch.Generator | None) -> tuple:
-    """What kernels.launch takes for this call: (draft_logits [B, γ, V], target_logits [B, γ+1, V], u [B, γ],
-    u_res [B], scale, topk), with the same draws in the same order as the torch path, so decisions agree."""
+class KernelArgs(NamedTuple):
+    """What kernels.launch takes for one call besides mode and drafted tokens."""
+
+    draft_logits: torch.Tensor  # [B, γ, V]: raw, or standardized by torch ('standardize')
+    target_logits: torch.Tensor  # [B, γ+1, V]: likewise
+    u: torch.Tensor  # [B, γ]: acceptance uniforms
+    u_res: torch.Tensor  # [B]: residual uniforms
+    options: dict  # scale, topk, top_p
+
+
+def kernel_args(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                sampling: SamplingConfig, generator: torch.Generator | None) -> KernelArgs:
+    """kernels.launch's inputs for this call (draft_tokens [B, γ], draft_logits [B, γ, V], target_logits
+    [B, γ+1, V]), with the same draws in the same order as the torch path, so decisions agree."""
     from ..sampling import standardize
 
     B, gamma = draft_tokens.shape
     u = torch.rand((B, gamma), generator=generator, device=target_logits.device)
     u_res = torch.rand((B,), generator=generator, device=target_logits.device)
-    how, scale, topk = kernel_sampling(mode, sampling, target_logits.shape[-1])
+    how, scale, topk, top_p = kernel_sampling(mode, sampling, target_logits.shape[-1])
     if how == "standardize":
         draft_logits, target_logits = standardize(draft_logits, sampling), standardize(target_logits, sampling)
-    return draft_logits, target_logits, u, u_res, scale, topk
+    return KernelArgs(draft_logits, target_logits, u, u_res, dict(scale=scale, topk=topk, top_p=top_p))
 
 
 def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator, lenience, alpha,
                     beta) -> VerifyResult:
-    draft_logits, target_logits, u, u_res, scale, topk = kernel_inputs(mode, draft_tokens, draft_logits,
-                                                                       target_logits, sampling, generator)
-    done = project_kernels().launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale,
-                                    topk=topk, lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta)
+    args = kernel_args(mode, draft_tokens, draft_logits, target_logits, sampling, generator)
+    done = project_kernels().launch(mode, draft_tokens, args.draft_logits, args.target_logits, args.u, args.u_res,
+                                    lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta, **args.options)
     return VerifyResult(**done.outputs, _host=VerifyHost(**done.host))

@@ -301,15 +301,21 @@ def _bar_row(text: str, prob: float, fill: str, mark_label: str | None) -> str:
             f'</span></span><span class="sv-bar-val">{prob:.3f}{mark}</span></div>')
 
 
+WHY_ROWS = 10  # bars shown per distribution (the trace keeps up to explain_top); the marked token always shows
+
+
 def _bars(title: str, top: TopTokens, fill: str, mark_id: int, mark_text: str, mark_label: str) -> str:
     """Horizontal bars of a distribution's top tokens (width = probability), the marked token outlined."""
     rows = [f'<div class="sv-why-title">{html.escape(title)}</div>']
-    rows += [_bar_row(text, prob, fill, mark_label if tid == mark_id else None)
-             for tid, text, prob in zip(top.ids, top.texts, top.probs)]
+    entries = list(zip(top.ids, top.texts, top.probs))
+    shown = [k for k, (tid, _, _) in enumerate(entries) if k < WHY_ROWS or tid == mark_id]
+    rows += [_bar_row(entries[k][1], entries[k][2], fill, mark_label if entries[k][0] == mark_id else None)
+             for k in shown]
     if mark_id not in top.ids:
         rows.append(f'<div class="sv-bar-note">{mark_label} token “{_visible(mark_text)}” is outside the top '
-                    f'{len(top.ids)}</div>')
-    rows.append(f'<div class="sv-bar-rest">other tokens: {top.rest:.3f}</div>')
+                    f'{len(top.ids)} recorded</div>')
+    hidden = sum(prob for k, (_, _, prob) in enumerate(entries) if k not in shown)
+    rows.append(f'<div class="sv-bar-rest">other tokens: {top.rest + hidden:.3f}</div>')
     return f'<div class="sv-why-dist">{"".join(rows)}</div>'
 
 

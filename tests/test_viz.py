@@ -341,3 +341,20 @@ def test_compare_figure_error_bars_from_rounds():
     assert "one round" in one_round.layout.title.text
     bare = viz.compare_figure([{k: r[k] for k in ("name", "tokens_per_s", "speedup", "median_verify_ms")} for r in rows])
     assert list(bare.data[0].x) == [10.0, 15.0] and bare.data[0].error_x.array is None
+
+
+def test_why_panel_shows_ten_bars_and_always_the_drafted_token():
+    """Of 20 recorded tokens the panel draws 10, plus the drafted one when it ranks lower; the hidden ones'
+    mass joins "other tokens"."""
+    from specviz.records import TopTokens
+    from specviz.viz import WHY_ROWS, _bars
+
+    probs = [0.5 / 20] * 20
+    top = TopTokens(ids=list(range(20)), texts=[f"t{i}" for i in range(20)], probs=probs, rest=0.5)
+    html_out = _bars("p", top, "p", 15, "t15", "drafted")
+    rows = re.compile(r'class="sv-bar( sv-bar-mark)?"')
+    assert len(rows.findall(html_out)) == WHY_ROWS + 1 == 11
+    assert "t15" in html_out and "t16" not in html_out
+    assert "other tokens: 0.725" in html_out  # 0.5 + 9 hidden × 0.025
+    outside = _bars("p", top, "p", 99, "x", "drafted")
+    assert "outside the top 20 recorded" in outside and len(rows.findall(outside)) == 10

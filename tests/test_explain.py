@@ -10,7 +10,7 @@ import torch
 
 from specviz.config import MAX_EXPLAIN_TOP, SamplingConfig, SpecConfig
 from specviz.explain import examine
-from specviz.records import ACCEPTED, DISCARDED, REJECTED
+from specviz.records import DISCARDED
 from specviz.trace import SCHEMA_VERSION, Trace, TraceFormatError
 
 from conftest import VOCAB, decode

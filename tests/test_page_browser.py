@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from specviz.prompts import ASSETS
 from specviz.trace import Trace
 
 from conftest import VOCAB, perturbed_copy, save_tokenizer, tiny_llama, word_tokenizer

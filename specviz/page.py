@@ -84,7 +84,6 @@ class Settings:
             lookup_ngram=int(self.lookup_ngram) or drafts.lookup_ngram,
         )
 
-
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> "Settings":
         """The settings a trace was made with (meta["page_settings"], written by the page); for a trace of

@@ -8,7 +8,7 @@ import html
 import time
 from typing import Any
 
-from .trace import Trace
+from .trace import Trace, json_number
 
 # sigmoid is called far from exact when its acceptance exceeds exact's on the same draws by more than this
 # share of the examined drafts, or when p̂ differs from p by more than this total variation on average.
@@ -17,8 +17,7 @@ SIGMOID_FAR_TV = 0.1
 
 
 def number(meta: dict, key: str) -> float | None:
-    value = meta.get(key) if isinstance(meta, dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return json_number(meta.get(key)) if isinstance(meta, dict) else None
 
 
 def reference_meta(reference: Trace, reused: bool, measured_at: float) -> dict[str, Any]:

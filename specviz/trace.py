@@ -339,6 +339,13 @@ MAX_INT = 1 << 53  # beyond this a JSON number is no longer an exact count or id
 MAX_FLOAT = 1e12  # seconds, probabilities and counts: anything larger is not a measurement (and sums overflow)
 
 
+def json_number(value: object) -> float | None:
+    """A finite number from a trace's free-form meta (untrusted JSON), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def _bounded(value: float) -> bool:
     return math.isfinite(value) and abs(value) <= MAX_FLOAT
 

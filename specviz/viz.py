@@ -20,7 +20,7 @@ from plotly.subplots import make_subplots
 
 from . import theory
 from .records import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, TARGET, Decision, Examined, TopTokens
-from .trace import Trace
+from .trace import Trace, json_number
 
 COLORS = {ACCEPTED: "#1a7f37", REJECTED: "#cf222e", DISCARDED: "#8c959f", RESAMPLED: "#0969da", BONUS: "#8250df"}
 TIMING_COLORS = {"draft": "#54aeff", "target": "#fd8c73", "verify": "#2da44e"}
@@ -117,20 +117,13 @@ def _config(trace: Trace) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-def _number(value: object) -> float | None:
-    """A finite number from meta (untrusted JSON), else None."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
 def _notation(trace: Trace) -> _Notation:
     config = _config(trace)
     sampling = config.get("sampling")
-    temperature = _number(sampling.get("temperature")) if isinstance(sampling, dict) else None
+    temperature = json_number(sampling.get("temperature")) if isinstance(sampling, dict) else None
     # Greedy sigmoid compares one-hot argmaxes like exact, so only sampled sigmoid runs record p̂ and q̂.
     sigmoid = trace.meta.get("mode") == "sigmoid" and temperature != 0
-    lenience = _number(config.get("lenience"))
+    lenience = json_number(config.get("lenience"))
     return _Notation(sigmoid, lenience if lenience is not None and 0 < lenience <= 1 else 1.0)
 
 
@@ -649,20 +642,12 @@ def compare_figure(rows: list[dict]) -> go.Figure:
                    height=260 + 56 * max(1, len(rows)), top=80)
 
 
-def _cost_ratio(trace: Trace) -> float:
-    """Measured c; 0 when no draft model ran (prompt lookup drafts at next to no cost)."""
-    try:
-        return trace.cost_ratio() or 0.0
-    except statistics.StatisticsError:  # a loaded trace whose drafting iterations all claim γ = 0
-        return 0.0
-
-
 def theory_figure(trace: Trace, upto: int | None = None, measured_speedup: float | None = None) -> go.Figure:
     """Leviathan's curves (E[tokens per iteration] and the walltime factor vs α, one colour per γ) with what
     they predict for this run's α, γ and c, and the speedup measured against target-only when given."""
     trace = _replay(trace, upto)
     alphas = [a / 100 for a in range(0, 100)]
-    c = _cost_ratio(trace)
+    c = trace.cost_ratio() or 0.0
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.2,
                         subplot_titles=("E[tokens per iteration]", f"walltime factor (c = {c:.2f})"))
     for g, color in GAMMA_COLORS.items():

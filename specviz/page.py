@@ -394,12 +394,12 @@ def compare_modes(models: ModelCache, task: str, source_input: str | None, setti
     the median run of each, and a note on what the numbers mean and how noisy they were."""
     if not 1 <= rounds <= 10:
         raise InputError(f"a comparison runs 1 to 10 rounds, not {rounds}")
+    if with_hf and (task != TEXT or settings.sequences != 1):  # said before any model or input is loaded
+        raise InputError("transformers' assisted generation is compared on text with one sequence")
     cfg = settings.spec(task)
     decoded = _source(models, task, source_input, settings, cfg, progress)
     extra = {}
     if with_hf:
-        if task != TEXT or settings.sequences != 1:
-            raise InputError("transformers' assisted generation is compared on text with one sequence")
         pair = models.text(settings.draft, settings.target, progress)
         extra = {"hf-assisted": hf_assisted_runs(pair, decoded.sequences[0].prompt_ids, cfg)["hf-assisted"]}
     rows, traces = compare(source_runner(decoded), dataclasses.replace(cfg, mode="exact"), extra=extra,

@@ -135,3 +135,18 @@ def test_sigmoid_warning_only_when_far(tiny_pair, prompt_ids):
                                   sigmoid_beta=2))
     gap = near.sigmoid_gap()
     assert gap is not None and gap["mean_tv"] < far.sigmoid_gap()["mean_tv"]
+
+
+@pytest.mark.parametrize("task, rounds, with_hf, message", [
+    (page.TEXT, 0, False, "1 to 10 rounds"),
+    (page.TEXT, 11, False, "1 to 10 rounds"),
+    (page.SPEECH, 1, True, "text with one sequence"),
+])
+def test_compare_refuses_bad_settings_with_a_message(tiny_pair, task, rounds, with_hf, message):
+    from specviz.prompts import InputError
+
+    models = _Models(tiny_pair)
+    models.speech = lambda draft, target, progress: pytest.fail("no model may load for a refused comparison")
+    with pytest.raises(InputError, match=message):
+        page.compare_modes(models, task, "w1 w2 w3", page.Settings(max_new_tokens=8), lambda m, f: None,
+                           lambda name: None, rounds=rounds, with_hf=with_hf)

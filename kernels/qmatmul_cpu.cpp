@@ -1,0 +1,320 @@
+// Weight-only quantized matrix multiply for the CPU: y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias), W read in its
+// compressed form and never materialized in fp32 beyond one small slice per thread.
+//
+// Formats (row-major over N, elements in their natural order along K):
+//   q4: two elements per byte (element 2i in the low nibble, 2i + 1 in the high one), w = scale[g] * q -
+//       min[g] with q in 0..15, groups of 32 (GGUF Q4_K, its two-level scales multiplied out: exact in fp32).
+//   q8: int8, w = scale[g] * q, groups of 16 or 32 (GGUF Q6_K, Q5_0, Q8_0 with their offsets folded in).
+//
+// Unpacking without shuffles: a 32-byte load is eight 32-bit lanes; lane j of a q4 block of 64 holds
+// elements 8j .. 8j + 7 in its nibbles, so (lanes >> 4t) & 15 is element 8j + t in lane j, one shift and
+// one and per 8 weights (q8: lane j holds elements 4j .. 4j + 3, sign-extended by two shifts). The weights
+// come out in a permuted order within each block, and x is permuted the same way once per call, so the
+// dot products pair the right elements.
+//
+// Batch invariance is the contract: every output row is computed by the same sequence of floating-point
+// operations whatever M is and whichever other rows share the call or the thread. Rows are blocked only
+// to reuse a dequantized slice; each (row, column) keeps one 8-lane accumulator, walks K in the same order
+// and is reduced in a fixed order. Threads split N, never K. Any M goes through the same code.
+//
+// Built once per machine by specviz.cpu_kernels with -march=native and OpenMP (the same libgomp torch
+// loads, so the two share one thread pool).
+
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECVIZ_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t SLICE = 256;  // elements of K dequantized at a time per column (NB columns: 4 KB, in L1)
+
+// ---- block layouts: position p = t * 8 + j of a block holds element lane_width * j + t --------------
+
+constexpr int64_t Q4_BLOCK = 64, Q4_PER_LANE = 8;  // 32 bytes, 8 nibbles per 32-bit lane
+constexpr int64_t Q8_BLOCK = 32, Q8_PER_LANE = 4;  // 32 bytes, 4 bytes per 32-bit lane
+
+// x [M, K] -> xp [M, K] in the blocks' permuted order
+void permute_rows(const float* x, int64_t M, int64_t K, int64_t block, int64_t per_lane, float* xp) {
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t b = 0; b < K; b += block)
+            for (int64_t t = 0; t < per_lane; ++t)
+                for (int64_t j = 0; j < 8; ++j) xp[r * K + b + t * 8 + j] = x[r * K + b + per_lane * j + t];
+}
+
+// ---- dequantize [k0, k0 + n) of one weight row into w, in permuted order ---------------------------
+
+inline void dequant_q4(const uint8_t* q, const float* scale, const float* minv, int64_t k0, int64_t n, float* w) {
+    for (int64_t b = k0; b < k0 + n; b += Q4_BLOCK, w += Q4_BLOCK) {
+        const int64_t g = b / 32;  // lanes 0-3 are group g, lanes 4-7 group g + 1
+#ifdef SPECVIZ_AVX2
+        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b / 2));
+        const __m256i mask = _mm256_set1_epi32(15);
+        const __m256 s = _mm256_set_m128(_mm_set1_ps(scale[g + 1]), _mm_set1_ps(scale[g]));
+        const __m256 m = _mm256_set_m128(_mm_set1_ps(minv[g + 1]), _mm_set1_ps(minv[g]));
+        for (int t = 0; t < 8; ++t) {
+            const __m256i v = _mm256_and_si256(_mm256_srli_epi32(lanes, 4 * t), mask);
+            _mm256_storeu_ps(w + t * 8, _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), s, m));
+        }
+#else
+        for (int t = 0; t < 8; ++t)
+            for (int j = 0; j < 8; ++j) {
+                const int64_t e = b + 8 * j + t;
+                const int v = (q[e / 2] >> (4 * (e & 1))) & 15;
+                w[t * 8 + j] = __builtin_fmaf(static_cast<float>(v), scale[g + j / 4], -minv[g + j / 4]);
+            }
+#endif
+    }
+}
+
+template <int64_t GROUP>
+inline void dequant_q8(const int8_t* q, const float* scale, int64_t k0, int64_t n, float* w) {
+    for (int64_t b = k0; b < k0 + n; b += Q8_BLOCK, w += Q8_BLOCK) {
+        // group 16: lanes 0-3 are group b / 16, lanes 4-7 the next; group 32: one group
+        const float s0 = scale[b / GROUP], s1 = scale[(b + 16) / GROUP];
+#ifdef SPECVIZ_AVX2
+        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b));
+        const __m256 s = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+        for (int t = 0; t < 4; ++t) {
+            const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(lanes, 24 - 8 * t), 24);
+            _mm256_storeu_ps(w + t * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(v), s));
+        }
+#else
+        for (int t = 0; t < 4; ++t)
+            for (int j = 0; j < 8; ++j) w[t * 8 + j] = static_cast<float>(q[b + 4 * j + t]) * (j < 4 ? s0 : s1);
+#endif
+    }
+}
+
+// ---- the tile: acc[m][n] (8 lanes each) += x[m, k0 : k0 + len] · w[n] for MT rows × NB columns -------
+
+// Each (row, column) output accumulates in CHAINS vectors of 8 lanes, part p of K (8 positions) going to
+// chain p mod CHAINS. Tile shape MT rows × NB columns: 2 × 4 keeps its 8 accumulators, 4 weights and an
+// input in registers (gcc spills 3 × 4). Measured on a 2-core AMD EPYC (AVX2) at M = 1 … 16 against
+// 2 × 2 and 1 × 4 with CHAINS = 2, which gain ~15% at M = 1 and lose up to 2× at M = 8.
+constexpr int CHAINS = 1;
+constexpr int NB = 4;  // output columns per tile (their dequantized slices share the x loads)
+constexpr int ACC = CHAINS * 8;  // floats of accumulator per (row, column)
+
+template <int MT>
+inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t len, const float* w, float* acc) {
+#ifdef SPECVIZ_AVX2
+    __m256 a[MT][NB][CHAINS];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NB; ++n)
+            for (int c = 0; c < CHAINS; ++c) a[m][n][c] = _mm256_loadu_ps(acc + (m * NB + n) * ACC + 8 * c);
+    for (int64_t i = 0; i < len; i += 8 * CHAINS)
+        for (int c = 0; c < CHAINS; ++c) {
+            __m256 wv[NB];
+            for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * SLICE + i + 8 * c);
+            for (int m = 0; m < MT; ++m) {
+                const __m256 xv = _mm256_loadu_ps(x + m * ldx + k0 + i + 8 * c);
+                for (int n = 0; n < NB; ++n) a[m][n][c] = _mm256_fmadd_ps(xv, wv[n], a[m][n][c]);
+            }
+        }
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NB; ++n)
+            for (int c = 0; c < CHAINS; ++c) _mm256_storeu_ps(acc + (m * NB + n) * ACC + 8 * c, a[m][n][c]);
+#else
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NB; ++n)
+            for (int64_t i = 0; i < len; i += 8)
+                for (int l = 0; l < 8; ++l) {
+                    float& a = acc[(m * NB + n) * ACC + 8 * ((i / 8) % CHAINS) + l];
+                    a = __builtin_fmaf(x[m * ldx + k0 + i + l], w[n * SLICE + i + l], a);
+                }
+#endif
+}
+
+// the fixed-order reduction of one output's CHAINS × 8 lanes
+inline float reduce(const float* a) {
+    float v[8];
+    for (int l = 0; l < 8; ++l) v[l] = a[l];
+    for (int c = 1; c < CHAINS; ++c)
+        for (int l = 0; l < 8; ++l) v[l] += a[8 * c + l];
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+constexpr int64_t MAX_ROWS = 256;  // rows per call held in the per-thread accumulators (callers split beyond)
+constexpr int MT_MAX = 2;          // rows per tile
+
+// Columns [n0, n0 + NB) (the last tile may hold fewer real ones) for all M rows.
+template <typename Dequant>
+void columns(const float* x, int64_t M, int64_t K, int64_t n0, int64_t N, Dequant dequant_row, const float* bias,
+             float* y, float* w, float* acc) {
+    const int nb = N - n0 < NB ? static_cast<int>(N - n0) : NB;
+    memset(acc, 0, sizeof(float) * M * NB * ACC);
+    if (nb < NB) memset(w, 0, sizeof(float) * NB * SLICE);
+    for (int64_t k0 = 0; k0 < K; k0 += SLICE) {
+        const int64_t len = K - k0 < SLICE ? K - k0 : SLICE;
+        for (int n = 0; n < nb; ++n) dequant_row(n0 + n, k0, len, w + n * SLICE);
+        int64_t m = 0;
+        for (; m + MT_MAX <= M; m += MT_MAX) tile<MT_MAX>(x + m * K, K, k0, len, w, acc + m * NB * ACC);
+        switch (M - m) {  // the remaining rows: the same per-row operations in a smaller tile
+            case 2: tile<2>(x + m * K, K, k0, len, w, acc + m * NB * ACC); break;
+            case 1: tile<1>(x + m * K, K, k0, len, w, acc + m * NB * ACC); break;
+            default: break;
+        }
+    }
+    for (int64_t m = 0; m < M; ++m)
+        for (int n = 0; n < nb; ++n) y[m * N + n0 + n] = reduce(acc + (m * NB + n) * ACC) + (bias ? bias[n0 + n] : 0.0f);
+}
+
+#ifdef SPECVIZ_AVX2
+// ---- small M (<= 2 rows): dequantize in registers, no slice buffer --------------------------------
+// The same operations in the same order as dequant_* followed by tile<>: w = fmsub(q, s, m) (or q * s),
+// then acc = fma(x, w, acc) position by position, so a row's result does not depend on which path ran.
+
+struct Q4Format {
+    const uint8_t* q; const float* scale; const float* minv; int64_t K;
+    static constexpr int64_t BLOCK = Q4_BLOCK;
+    static constexpr int PARTS = 8;
+    struct Block { __m256i lanes; __m256 s, m; };
+    Block load(int64_t n, int64_t b) const {
+        const int64_t g = n * (K / 32) + b / 32;
+        return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n * K + b) / 2)),
+                _mm256_set_m128(_mm_set1_ps(scale[g + 1]), _mm_set1_ps(scale[g])),
+                _mm256_set_m128(_mm_set1_ps(minv[g + 1]), _mm_set1_ps(minv[g]))};
+    }
+    static __m256 part(const Block& blk, int t) {
+        const __m256i v = _mm256_and_si256(_mm256_srli_epi32(blk.lanes, 4 * t), _mm256_set1_epi32(15));
+        return _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), blk.s, blk.m);
+    }
+};
+
+template <int64_t GROUP>
+struct Q8Format {
+    const int8_t* q; const float* scale; int64_t K;
+    static constexpr int64_t BLOCK = Q8_BLOCK;
+    static constexpr int PARTS = 4;
+    struct Block { __m256i lanes; __m256 s; };
+    Block load(int64_t n, int64_t b) const {
+        const float* row = scale + n * (K / GROUP);
+        return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * K + b)),
+                _mm256_set_m128(_mm_set1_ps(row[(b + 16) / GROUP]), _mm_set1_ps(row[b / GROUP]))};
+    }
+    static __m256 part(const Block& blk, int t) {
+        const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(blk.lanes, 24 - 8 * t), 24);
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(v), blk.s);
+    }
+};
+
+constexpr int NB_SMALL = 2;  // columns per pass when dequantizing in registers
+
+template <int MT, typename Format>
+void small_columns(const float* xp, int64_t K, int64_t n0, int64_t N, const Format& f, const float* bias, float* y) {
+    const int nb = N - n0 < NB_SMALL ? static_cast<int>(N - n0) : NB_SMALL;
+    __m256 acc[MT][NB_SMALL][CHAINS];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NB_SMALL; ++n)
+            for (int c = 0; c < CHAINS; ++c) acc[m][n][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K; b += Format::BLOCK) {
+        typename Format::Block blk[NB_SMALL];
+        for (int n = 0; n < nb; ++n) blk[n] = f.load(n0 + n, b);
+        for (int t = 0; t < Format::PARTS; ++t)  // PARTS is even: part t of this block goes to chain t mod 2
+            for (int n = 0; n < nb; ++n) {
+                const __m256 w = Format::part(blk[n], t);
+                for (int m = 0; m < MT; ++m)
+                    acc[m][n][t % CHAINS] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + m * K + b + t * 8), w, acc[m][n][t % CHAINS]);
+            }
+    }
+    alignas(32) float lanes[ACC];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < nb; ++n) {
+            for (int c = 0; c < CHAINS; ++c) _mm256_store_ps(lanes + 8 * c, acc[m][n][c]);
+            y[m * N + n0 + n] = reduce(lanes) + (bias ? bias[n0 + n] : 0.0f);
+        }
+}
+
+template <typename Format>
+void small_matmul(const float* xp, int64_t M, int64_t K, int64_t N, const float* bias, float* y, int nthreads,
+                  const Format& f) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NB_SMALL) {
+        if (M == 1) small_columns<1>(xp, K, n0, N, f, bias, y);
+        else small_columns<2>(xp, K, n0, N, f, bias, y);
+    }
+}
+#endif
+
+template <typename Dequant>
+void matmul(const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y, int nthreads,
+            Dequant dequant_row) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        alignas(64) float w[NB * SLICE];
+        alignas(64) float acc[MAX_ROWS * NB * ACC];
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NB) columns(x, M, K, n0, N, dequant_row, bias, y, w, acc);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int specviz_max_rows() { return static_cast<int>(MAX_ROWS); }
+
+int specviz_has_avx2() {
+#ifdef SPECVIZ_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// x [M, K] fp32, q [N, K/2] uint8, scale/minv [N, K/32] fp32, bias [N] fp32 or null, y [M, N] fp32.
+// K is a multiple of 64; M <= specviz_max_rows() (callers split longer calls).
+void specviz_q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* minv,
+                       int64_t N, const float* bias, float* y, int nthreads) {
+    std::vector<float> xp(M * K);
+    permute_rows(x, M, K, Q4_BLOCK, Q4_PER_LANE, xp.data());
+    const int64_t groups = K / 32;
+#ifdef SPECVIZ_AVX2
+    if (M <= 2) return small_matmul(xp.data(), M, K, N, bias, y, nthreads, Q4Format{q, scale, minv, K});
+#endif
+    matmul(xp.data(), M, K, N, bias, y, nthreads, [&](int64_t n, int64_t k0, int64_t len, float* w) {
+        dequant_q4(q + n * K / 2, scale + n * groups, minv + n * groups, k0, len, w);
+    });
+}
+
+// x [M, K] fp32, q [N, K] int8, scale [N, K/group] fp32 (group 16 or 32), bias [N] or null, y [M, N] fp32.
+// K is a multiple of 32; M <= specviz_max_rows().
+void specviz_q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t group,
+                       int64_t N, const float* bias, float* y, int nthreads) {
+    std::vector<float> xp(M * K);
+    permute_rows(x, M, K, Q8_BLOCK, Q8_PER_LANE, xp.data());
+    const int64_t groups = K / group;
+#ifdef SPECVIZ_AVX2
+    if (M <= 2 && group == 16) return small_matmul(xp.data(), M, K, N, bias, y, nthreads, Q8Format<16>{q, scale, K});
+    if (M <= 2) return small_matmul(xp.data(), M, K, N, bias, y, nthreads, Q8Format<32>{q, scale, K});
+#endif
+    if (group == 16)
+        matmul(xp.data(), M, K, N, bias, y, nthreads, [&](int64_t n, int64_t k0, int64_t len, float* w) {
+            dequant_q8<16>(q + n * K, scale + n * groups, k0, len, w);
+        });
+    else
+        matmul(xp.data(), M, K, N, bias, y, nthreads, [&](int64_t n, int64_t k0, int64_t len, float* w) {
+            dequant_q8<32>(q + n * K, scale + n * groups, k0, len, w);
+        });
+}
+
+// The dense fp32 weight out [N, K] in natural order (to check the packing; BLAS never needs it).
+void specviz_q4_dequant(const uint8_t* q, const float* scale, const float* minv, int64_t N, int64_t K, float* out) {
+    for (int64_t r = 0; r < N; ++r)
+        for (int64_t k = 0; k < K; ++k) {
+            const int v = (q[(r * K + k) / 2] >> (4 * (k & 1))) & 15;
+            out[r * K + k] = __builtin_fmaf(static_cast<float>(v), scale[r * (K / 32) + k / 32], -minv[r * (K / 32) + k / 32]);
+        }
+}
+
+void specviz_q8_dequant(const int8_t* q, const float* scale, int64_t group, int64_t N, int64_t K, float* out) {
+    for (int64_t r = 0; r < N; ++r)
+        for (int64_t k = 0; k < K; ++k) out[r * K + k] = static_cast<float>(q[r * K + k]) * scale[r * (K / group) + k / group];
+}
+
+}  // extern "C"

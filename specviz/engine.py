@@ -28,6 +28,7 @@ from .config import SpecConfig
 from .gamma import Feedback, make_policy
 from .drafts import lookup, one_hot_logits
 from .explain import examine
+from .prompt_cache import Layers, PromptCache
 from .records import (ACCEPTED, BONUS, DISCARDED, LOOKUP, MODEL, REJECTED, RESAMPLED, TARGET, Completed, Decision,
                       Event, Finished, Iteration, Prefilled, StepRecord)
 from .sampling import check_logits, draw
@@ -73,8 +74,10 @@ class SlottedDecoder:
     ([B, L] bool, on the model's device) is the attention mask over the cache.
     """
 
-    def __init__(self, batch: int, device: torch.device):
+    def __init__(self, batch: int, device: torch.device, prompt_cache: PromptCache | None = None):
         self.device = device
+        self.prompt_cache = prompt_cache  # prompts read before (by any decoder of this model); None: always prefill
+        self.prompts_reused = 0  # prompts taken from it by this decoder
         self.cache = self._new_cache()
         self.valid = torch.zeros((batch, 0), dtype=torch.bool, device=device)  # [B, L]
         self.slots: list[list[int]] = [[] for _ in range(batch)]
@@ -122,20 +125,16 @@ class SlottedDecoder:
 
     def _prefill_distinct(self, prompts: list[list[int]]) -> None:
         lengths = {len(p) for p in prompts}
-        if len(lengths) == 1:
+        if len(lengths) == 1 and self.prompt_cache is None:
             if lengths != {0}:
                 self.forward(prompts, 1)
             self.take_counts()
             return
-        per_row = []
-        for r, prompt in enumerate(prompts):
-            cache = self._new_cache()
-            if prompt:
-                ids = torch.tensor([prompt], device=self.device)
-                ones = torch.ones_like(ids, dtype=torch.long)
-                self._run(ids, ones, torch.arange(len(prompt), device=self.device)[None], 1, cache, [r])
-            per_row.append(cache)
         width = max(lengths)
+        if width == 0:
+            self.take_counts()
+            return
+        per_row = [self._prompt_layers(r, prompt) for r, prompt in enumerate(prompts)]
         self.cache = self._merge(per_row, [len(p) for p in prompts], width)
         self.valid = torch.zeros((len(prompts), width), dtype=torch.bool, device=self.device)
         for r, prompt in enumerate(prompts):
@@ -143,23 +142,39 @@ class SlottedDecoder:
             self.slots[r] = list(range(width - len(prompt), width))
         self.take_counts()
 
-    def _merge(self, caches: list, lengths: list[int], width: int):
-        """One cache of batch len(caches) from single-row caches, each left-padded with zeros to `width`."""
+    def _prompt_layers(self, row: int, prompt: list[int]) -> Layers | None:
+        """Row's keys and values for its prompt alone: from the prompt cache, or computed (and stored)."""
+        if not prompt:
+            return None
+        key = tuple(prompt)
+        if self.prompt_cache is not None and (layers := self.prompt_cache.get(key)) is not None:
+            self.prompts_reused += 1
+            return layers
+        cache = self._new_cache()
+        ids = torch.tensor([prompt], device=self.device)
+        ones = torch.ones_like(ids, dtype=torch.long)
+        self._run(ids, ones, torch.arange(len(prompt), device=self.device)[None], 1, cache, [row])
+        source = _self_attention_layers(cache)
+        if source is not cache:
+            raise NotImplementedError("prompts of different lengths need a decoder-only cache")
+        layers = tuple((layer.keys, layer.values) for layer in source.layers)
+        if self.prompt_cache is not None:
+            self.prompt_cache.put(key, layers)
+        return layers
+
+    def _merge(self, rows: list[Layers | None], lengths: list[int], width: int):
+        """One cache of batch len(rows) from single-row keys and values, each left-padded with zeros to `width`."""
         merged = self._new_cache()
         layers = _self_attention_layers(merged)
-        if layers is not merged:
-            raise NotImplementedError("prompts of different lengths need a decoder-only cache")
-        sources = [_self_attention_layers(c) for c in caches]
-        donor = next(s for s, n in zip(sources, lengths) if n)
-        for i, layer in enumerate(donor.layers):
-            ref_k, ref_v = layer.keys, layer.values  # [1, heads, n, head_dim]
+        donor = next(r for r, n in zip(rows, lengths) if n)
+        for i, (ref_k, ref_v) in enumerate(donor):  # [1, heads, n, head_dim]
             keys, values = [], []
-            for src, n in zip(sources, lengths):
+            for row, n in zip(rows, lengths):
                 k = ref_k.new_zeros(1, ref_k.shape[1], width, ref_k.shape[3])
                 v = ref_v.new_zeros(1, ref_v.shape[1], width, ref_v.shape[3])
                 if n:
-                    k[:, :, width - n:] = src.layers[i].keys
-                    v[:, :, width - n:] = src.layers[i].values
+                    k[:, :, width - n:] = row[i][0]
+                    v[:, :, width - n:] = row[i][1]
                 keys.append(k)
                 values.append(v)
             layers.update(torch.cat(keys), torch.cat(values), i)
@@ -320,7 +335,7 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
         target.prefill([r.tokens[:-1] for r in rows])
         if draft is not None:
             draft.prefill([r.tokens[:-1] for r in rows])
-        yield Prefilled(group, clock.now() - t0)
+        yield Prefilled(group, clock.now() - t0, target.prompts_reused + (draft.prompts_reused if draft else 0))
         if target_only:
             loop = _target_only(rows, target, cfg, source.vocab, generator, clock, start, steps)
         else:

@@ -17,7 +17,7 @@ import importlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .cache import CACHE_ENV, cache_dir  # noqa: F401 (re-exported: tests and the CLI use it here)
 from .packed import PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, save_packed
+from .prompt_cache import PromptCache
 from .quant import quantize_draft_int8
 
 # progress(message, fraction in [0, 1] or None when the stage has no measurable length)
@@ -79,6 +80,9 @@ class ModelPair:
     vocab_size: int  # logits are cut to this many columns (lm_heads may be padded differently)
     draft_weights: str = ""  # what each model's linear layers run on (specviz.packed.describe)
     target_weights: str = ""
+    # prompts each model has read, shared by every run on this pair (one prefill per input)
+    draft_prompts: PromptCache = field(default_factory=PromptCache)
+    target_prompts: PromptCache = field(default_factory=PromptCache)
 
     @property
     def device(self) -> torch.device:

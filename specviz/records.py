@@ -107,6 +107,7 @@ class Prefilled:
 
     sequences: list[int]
     seconds: float
+    reused: int = 0  # prompts whose keys and values came from the prompt cache (specviz.prompt_cache)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,9 @@ def summary_markdown(trace: Trace) -> str:
     lines = []
     if trace.meta.get("stopped"):
         lines.append(f"**Stopped** after {len(trace.steps)} iterations: the trace holds what was decoded so far.")
-    lines.append(f"**{html.escape(str(s['mode']))[:40]}** · {s['new_tokens']} tokens · prefill {s['prefill_s']:.2f} s · "
+    reused = number(trace.meta, "prompts_reused")
+    prefill = f"prefill {s['prefill_s']:.2f} s" + (" (prompt read before: its keys and values reused)" if reused else "")
+    lines.append(f"**{html.escape(str(s['mode']))[:40]}** · {s['new_tokens']} tokens · {prefill} · "
                  f"decoding {s['decode_s']:.2f} s → **{s['decode_tokens_per_s']:.2f} tokens/s decoding** "
                  f"({s['tokens_per_s']:.2f} tokens/s with prefill) · {s['target_forward_passes']} target forward passes")
     if line := _speedup_line(trace):
@@ -90,6 +92,9 @@ def summary_markdown(trace: Trace) -> str:
         lines.append(f"ROUGE-1 F against the reference: {rouge:.3f}")
     names = {k: html.escape(str(trace.meta.get(k)))[:200] for k in ("draft", "target", "device", "dtype")}
     lines.append(f"draft {names['draft']} → target {names['target']} on {names['device']}, {names['dtype']}")
+    weights = {k: html.escape(str(trace.meta.get(k) or ""))[:200] for k in ("draft_weights", "target_weights")}
+    if weights["target_weights"]:
+        lines.append(f"the target's linear layers: {weights['target_weights']} · the draft's: {weights['draft_weights']}")
     if "alpha" in s:
         lines.append(draft_line(trace, s))
     if s.get("explain_s"):

@@ -10,15 +10,17 @@ from .drafts import SubsetHead, draft_head_size, special_ids, subset_head
 from .engine import SequenceSpec, SlottedDecoder, Vocabulary, unique_names
 from .machine import device_name
 from .models import ModelPair
+from .prompt_cache import PromptCache
 from .prompts import InputError, max_prompt_tokens, summarization_prompt
 
 
 class CausalLMDecoder(SlottedDecoder):
     """A decoder-only transformers model (Qwen2, Llama, ...) on a DynamicCache."""
 
-    def __init__(self, model, vocab: int, batch: int, head: SubsetHead | None = None):
+    def __init__(self, model, vocab: int, batch: int, head: SubsetHead | None = None,
+                 prompt_cache: PromptCache | None = None):
         self.model, self.vocab, self.head = model, vocab, head
-        super().__init__(batch, model.device)
+        super().__init__(batch, model.device, prompt_cache)
 
     def _new_cache(self) -> DynamicCache:
         return DynamicCache()
@@ -54,9 +56,10 @@ class TextSource:
                                       special_ids(pair.tokenizer) | self.vocab.eos | prompt_tokens)
 
     def decoders(self, rows: list[int], with_draft: bool) -> tuple[CausalLMDecoder | None, CausalLMDecoder]:
-        draft = (CausalLMDecoder(self.pair.draft, self.pair.vocab_size, len(rows), self.draft_head) if with_draft
-                 else None)
-        return draft, CausalLMDecoder(self.pair.target, self.pair.vocab_size, len(rows))
+        pair = self.pair
+        draft = (CausalLMDecoder(pair.draft, pair.vocab_size, len(rows), self.draft_head, pair.draft_prompts)
+                 if with_draft else None)
+        return draft, CausalLMDecoder(pair.target, pair.vocab_size, len(rows), prompt_cache=pair.target_prompts)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.pair.tokenizer.decode(ids, skip_special_tokens=True)
@@ -65,7 +68,8 @@ class TextSource:
         pair = self.pair
         return {"task": "summarize", "draft": pair.draft_name, "target": pair.target_name,
                 "device": device_name(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
-                "vocab_size": pair.vocab_size, "draft_vocab_size": draft_head_size(self.draft_head, pair.vocab_size)}
+                "vocab_size": pair.vocab_size, "draft_vocab_size": draft_head_size(self.draft_head, pair.vocab_size),
+                "draft_weights": pair.draft_weights, "target_weights": pair.target_weights}
 
 
 def prompt_sequences(prompts: list[tuple[str, list[int]]], num_sequences: int, cfg: SpecConfig) -> list[SequenceSpec]:

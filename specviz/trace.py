@@ -314,6 +314,8 @@ class TraceBuilder:
         if isinstance(event, Prefilled):
             trace.prefill_s += event.seconds
             trace.prefill_passes += 1
+            if event.reused:
+                trace.meta["prompts_reused"] = trace.meta.get("prompts_reused", 0) + event.reused
         elif isinstance(event, Iteration):
             trace.steps.append(event.step)
             trace.total_s = event.step.end_s

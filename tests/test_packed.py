@@ -1,0 +1,204 @@
+"""The CPU target on its GGUF blocks: packing, the q4/q8 kernels, batch invariance, and exactness on top.
+
+- Packing: random GGUF blocks of every supported type unpack to exactly what gguf's own dequantization
+  gives (the same numbers, not close ones).
+- Kernels: y = x · Wᵀ + b against torch on the dequantized weight (fp32 tolerance), and bitwise batch
+  invariance: a row's output is the same bits whatever else shares the call (1 … 300 rows, across the
+  register path for ≤ 2 rows, the slice path, and the chunking beyond max_rows()).
+- Models: a tiny Qwen2 whose every linear layer is packed equals its dense twin up to fp32 rounding;
+  speculative decoding on packed models is greedy-equal to target-only, a reused prompt cache changes no
+  output, and the verifier's output follows the packed target's distribution (chi-square, stated power).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+from torch import nn
+
+from specviz import cpu_kernels
+from specviz.config import SamplingConfig, SpecConfig
+from specviz.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
+from specviz.models import ModelPair
+from specviz.packed import PackedLinear, PackingError, apply_packed, describe
+from specviz.text import TextSource, prompt_sequences
+from specviz.runs import run
+
+from conftest import VOCAB, tiny_qwen
+from test_verify_statistics import FAMILY_ALPHA, POWER, Pair, gof_failure, probs_of, run_copies, samples_to_detect_tv
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernels")
+
+BLOCK_BYTES = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q5_0: 22, QT.Q8_0: 34}
+SCALE_OFFSETS = {QT.Q4_K: (0, 2), QT.Q6_K: (208,), QT.Q5_0: (0,), QT.Q8_0: (0,)}  # fp16 scales in a block
+
+
+def random_blocks(kind: QT, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
+    """Random bytes as GGUF blocks, their fp16 scales set to small finite values (random bits could be NaN)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks_per_row, BLOCK_BYTES[kind]), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[kind]:
+        scales = rng.uniform(1e-3, 2e-2, size=(rows, blocks_per_row)).astype(np.float16)
+        raw[..., offset:offset + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks_per_row, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", [QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0], ids=lambda k: k.name)
+def test_packing_reproduces_ggufs_own_dequantization_exactly(kind):
+    per_row = 2 if kind in (QT.Q4_K, QT.Q6_K) else 16  # 512 elements per row
+    raw = random_blocks(kind, 24, per_row, seed=int(kind))
+    packed = pack(raw, kind, 24)
+    expected = torch.from_numpy(quants.dequantize(raw, kind).reshape(24, -1).astype(np.float32))
+    assert packed.shape == (24, 512)
+    assert torch.equal(dequantize_reference(packed), expected)
+    assert torch.equal(PackedLinear(packed, None).dense(), expected)  # the C++ reading of the same layout
+
+
+def test_unsupported_blocks_are_refused_by_name():
+    with pytest.raises(UnsupportedBlocks, match="Q2_K"):
+        pack(np.zeros((1, 84), dtype=np.uint8), QT.Q2_K, 1)
+
+
+def random_packed(kind: str, n: int, k: int, seed: int, group: int = 32) -> Packed:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "q4":
+        return Packed("q4", torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8),
+                      torch.rand(n, k // 32, generator=g) * 0.02, torch.rand(n, k // 32, generator=g) * 0.1, "Q4_K")
+    return Packed("q8", torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8),
+                  torch.rand(n, k // group, generator=g) * 0.02, None, "Q6_K" if group == 16 else "Q8_0")
+
+
+KERNEL_CASES = [("q4", 32), ("q8", 16), ("q8", 32)]
+
+
+@pytest.mark.parametrize("kind,group", KERNEL_CASES, ids=["q4", "q8g16", "q8g32"])
+def test_kernel_matches_torch_on_the_dequantized_weight(kind, group):
+    packed = random_packed(kind, 70, 320, seed=1, group=group)  # N not a multiple of the tile, K of the slice
+    bias = torch.randn(70)
+    layer = PackedLinear(packed, bias)
+    dense = dequantize_reference(packed)
+    x = torch.randn(3, 5, 320)
+    expected = nn.functional.linear(x, dense, bias)
+    got = layer(x)
+    assert got.shape == (3, 5, 70)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,group", KERNEL_CASES, ids=["q4", "q8g16", "q8g32"])
+def test_kernel_rows_are_bitwise_batch_invariant(kind, group):
+    """Row r of a call over M rows equals the same row computed alone, bit for bit, for M across the
+    register path (M ≤ 2), the slice path, an odd remainder, and chunking beyond max_rows()."""
+    packed = random_packed(kind, 37, 448, seed=2, group=group)
+    layer = PackedLinear(packed, torch.randn(37))
+    x = torch.randn(300, 448)
+    alone = torch.cat([layer(x[r:r + 1]) for r in range(0, 300, 23)])
+    assert cpu_kernels.max_rows() < 300
+    for m in (2, 3, 8, 17, 300):
+        together = layer(x[:m])
+        for r in range(0, m, 23):
+            assert torch.equal(together[r], alone[r // 23]), f"row {r} differs when scored among {m} rows"
+
+
+def packed_twin(model: nn.Module, seed: int, like: dict[str, Packed] | None = None
+                ) -> tuple[nn.Module, nn.Module, dict[str, Packed]]:
+    """(dense, packed, blocks): `model` with every linear weight replaced, in place, by a packed weight's
+    exact dequantization, and a copy of it running on the packed weights themselves. The packed weights are
+    random (q4, q8 in groups of 16, q8 in groups of 32 in turn), or `like`'s with every scale jittered by 3%
+    (a draft that agrees with its target often but not always)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = {}
+    for i, (name, linear) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)):
+        if like is not None:
+            p = like[name]
+            p = Packed(p.kind, p.q, p.scale * (1 + 0.03 * torch.randn(p.scale.shape, generator=g)), p.minv, p.source)
+        else:
+            n, k = linear.weight.shape
+            kind, group = [("q4", 32), ("q8", 16), ("q8", 32)][i % 3]
+            p = random_packed(kind, n, k, seed=seed * 1000 + i, group=group)
+            if p.minv is not None:  # centre q4's values (0 … 15) on zero, as Q4_K's minimums do
+                p = Packed(p.kind, p.q, p.scale, p.scale * 7.5, p.source)
+        with torch.no_grad():
+            linear.weight.copy_(dequantize_reference(p))
+        blocks[name] = p
+    twin = type(model)(model.config).float().eval()
+    twin.load_state_dict(model.state_dict())
+    return model, apply_packed(twin, blocks), blocks
+
+
+@pytest.fixture(scope="module")
+def packed_pairs(tokenizer) -> tuple[ModelPair, ModelPair]:
+    """(dense, packed) versions of one tiny pair."""
+    target, packed_target, blocks = packed_twin(tiny_qwen(0), seed=10)
+    draft, packed_draft, _ = packed_twin(tiny_qwen(0), seed=11, like=blocks)
+    dense = ModelPair(draft, target, tokenizer, "tiny-draft", "tiny-target", VOCAB)
+    packed = ModelPair(packed_draft, packed_target, tokenizer, "tiny-draft", "tiny-target", VOCAB,
+                       describe(packed_draft), describe(packed_target))
+    return dense, packed
+
+
+def test_a_packed_model_equals_its_dense_twin(packed_pairs, prompt_ids):
+    dense, packed = packed_pairs
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        a = dense.target(ids).logits
+        b = packed.target(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert "specviz" in packed.target_weights and packed.target_weights.startswith("GGUF")
+    assert describe(dense.target).startswith("dense")
+
+
+@pytest.mark.parametrize("mode", ["baseline", "exact", "sigmoid"])
+def test_greedy_speculative_on_packed_models_equals_target_only(packed_pairs, batch_prompts, mode):
+    _, packed = packed_pairs
+    cfg = SpecConfig(mode=mode, gamma_policy="constant", gamma_init=5, max_new_tokens=24)
+    source = lambda: TextSource(packed, prompt_sequences([(f"p{i}", p) for i, p in enumerate(batch_prompts)], 1, cfg))
+    reference = run(source(), cfg, target_only=True)
+    trace = run(source(), cfg)
+    assert trace.outputs == reference.outputs
+    assert trace.meta["target_weights"] == packed.target_weights
+
+
+def test_the_prompt_cache_reads_each_prompt_once_and_changes_nothing(packed_pairs, batch_prompts):
+    _, packed = packed_pairs
+    packed.target_prompts.clear()
+    packed.draft_prompts.clear()
+    cfg = SpecConfig(mode="exact", sampling=SamplingConfig(temperature=0.8), max_new_tokens=16, seed=5)
+    source = lambda: TextSource(packed, prompt_sequences([(f"p{i}", p) for i, p in enumerate(batch_prompts)], 1, cfg))
+    first = run(source(), cfg)
+    second = run(source(), cfg)
+    assert "prompts_reused" not in first.meta
+    assert second.meta["prompts_reused"] == 2 * len(batch_prompts)  # every prompt, target and draft
+    assert second.outputs == first.outputs  # the same seed: the same draws on the same keys and values
+    assert packed.target_prompts.hits >= len(batch_prompts)
+
+
+def test_a_gguf_without_a_matching_tensor_is_refused(tmp_path):
+    with pytest.raises(PackingError, match="no packed weight"):
+        apply_packed(tiny_qwen(3), {})
+
+
+GOF_TV = 0.02
+GOF_V = 512  # columns of the packed models' logits the test keeps (the full vocabulary would need GBs)
+
+
+@pytest.mark.parametrize("mode", ["baseline", "exact"])
+def test_verification_follows_the_packed_targets_distribution(packed_pairs, prompt_ids, mode):
+    """The first emitted token follows p of the packed target (chi-square at level FAMILY_ALPHA / 2, power
+    0.99 against TV 0.02), with the packed draft's q: the verifier's exactness on logits the packed models
+    produce (their first GOF_V columns, so that the sample covers the support)."""
+    _, packed = packed_pairs
+    sampling = SamplingConfig(temperature=1.0)
+    ids = torch.tensor([prompt_ids[:12]])
+    with torch.inference_mode():
+        target = packed.target(ids).logits[0, -3:, :GOF_V].contiguous()  # [γ + 1, V], γ = 2
+        draft = packed.draft(ids).logits[0, -3:-1, :GOF_V].contiguous()  # [γ, V]
+    pair = Pair(f"packed_{mode}", draft, target, sampling)
+    p = probs_of(target[0], sampling)
+    alpha = FAMILY_ALPHA / 2
+    n = samples_to_detect_tv(GOF_TV, GOF_V - 1, alpha, POWER)
+    out = run_copies(mode, pair, n, seed=777, **({} if mode == "baseline" else {"tile_size": GOF_V}))
+    counts = torch.bincount(out.first_token, minlength=GOF_V).numpy()
+    assert (failure := gof_failure(counts, p, alpha)) is None, failure

@@ -47,3 +47,35 @@ def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: 
     for r in rows:
         r["ratio"] = r["seconds"] / base
     return {"prefill_s": prefill_s, "prompt_tokens": len(prompt), "steps": rows}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of linear-layer weights one step reads (packed blocks and scales, or dense/int8 tensors)."""
+    from torch import nn
+
+    from .packed import PackedLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            total += m.packed().nbytes
+        elif isinstance(m, nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+        elif type(m).__name__ == "Linear" and hasattr(m, "weight") and callable(m.weight):  # dynamic int8
+            total += m.weight().numel()
+    return total
+
+
+def linear_params(model) -> int:
+    """Multiply-adds per token in linear layers (the output head counted once per scored token)."""
+    from torch import nn
+
+    from .packed import PackedLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, (PackedLinear, nn.Linear)):
+            total += m.in_features * m.out_features
+        elif type(m).__name__ == "Linear" and hasattr(m, "in_features"):
+            total += m.in_features * m.out_features
+    return total

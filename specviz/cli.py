@@ -16,7 +16,7 @@ from .compare import compare, hf_assisted_runs, noise, source_runner
 from .config import (DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range,
                      draft_defaults)
 from .gamma import default_policy
-from .models import DEFAULT, ModelLoadError, ModelPair, load_pair
+from .models import DEFAULT, WEIGHTS, ModelLoadError, ModelPair, load_pair
 from .prompts import InputError, check_article_size, sample_article
 from .records import Finished, Iteration
 from .runs import DEFAULT_BATCH, run
@@ -73,9 +73,14 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     m.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="default: fp32 on the CPU (no fast bf16 matrix multiply there), bf16 for the text pair on CUDA; "
                    "fp32 for Whisper")
+    m.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="text models on the CPU: 'packed' multiplies straight from a GGUF model's quantized blocks "
+                   "(specviz's CPU kernel; fp32 activations), 'dense' uses the dequantized fp32 weights (the same "
+                   "model, ~5× the memory traffic per step); auto: packed wherever the model comes from a GGUF file")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     m.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
-                   help="int8 draft weights (default: on for the CPU; the target is never quantized)")
+                   help="int8 draft weights for a dense draft (default: on for a dense draft on the CPU; the target is "
+                   "never quantized)")
     m.add_argument("--draft-kind", default=None, choices=DRAFT_KINDS,
                    help="who drafts: the draft model, prompt lookup (n-gram match on prompt and output, no draft "
                    "model), or lookup where an n-gram matches and the model elsewhere (default: measured per task)")
@@ -162,7 +167,7 @@ def _load(args: argparse.Namespace) -> ModelPair:
     progress = _LoadProgress()
     try:
         return load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
-                         draft_int8=args.draft_int8, progress=progress)
+                         draft_int8=args.draft_int8, weights=args.weights, progress=progress)
     finally:
         progress.close()
 
@@ -279,9 +284,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
               f"{100 * noise(rows):.0f}% between rounds")
     dtype = str(pair.dtype).removeprefix("torch.")
     batch = min(args.batch_size, len(source.sequences))
-    print(f"\n{names}, {dtype}, {len(source.sequences)} sequences in batches of {batch}, {machine.describe()}")
+    weights = getattr(pair, "target_weights", "")
+    print(f"\n{names}, {dtype}, {len(source.sequences)} sequences in batches of {batch}, {machine.describe()}"
+          + (f"\ntarget: {weights} · draft: {pair.draft_weights}" if weights else ""))
     if args.json:
-        report = {"machine": machine.describe(), "models": names, "dtype": dtype,
+        report = {"machine": machine.describe(), "models": names, "dtype": dtype, "target_weights": weights,
+                  "draft_weights": getattr(pair, "draft_weights", ""),
                   "inputs": args.inputs or ["sample article"], "sequences": len(source.sequences), "batch_size": batch,
                   "repeat": args.repeat, "statistic": "tokens/s: the median run by wall time; speedup: the median of per-round ratios to "
                   "target-only; after one untimed warm-up run", "noise": noise(rows),
@@ -415,6 +423,47 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_steps(args: argparse.Namespace) -> int:
+    """One model call's cost by weights format: prefill, and a step scoring M tokens (docs/benchmarks.md)."""
+    import torch
+
+    from .bench_models import linear_params, step_costs, weight_bytes
+    from .models import load_model, parse_dtype
+    from .prompts import max_prompt_tokens, summarization_prompt
+    from .quant import quantize_draft_int8
+
+    article = _articles(args)[0][1]
+    device = torch.device(args.device or "cpu")
+    variants = [(role, w) for role in ("target", "draft") for w in args.weights_list]
+    if "dense" in args.weights_list:
+        variants.append(("draft", "dense int8"))
+    rows = []
+    for role, weights in tqdm(variants, desc="bench-steps", unit="model", file=sys.stderr):
+        name = args.target if role == "target" else args.draft
+        model, tokenizer, label = load_model(name, role, device=device, dtype=parse_dtype(args.dtype or "fp32"),
+                                             weights=weights.split()[0])
+        if weights == "dense int8":
+            model = quantize_draft_int8(model)
+        prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))
+        costs = step_costs(model, model.config.vocab_size, prompt[:-1], args.tokens, repeat=args.repeat)
+        rows.append({"role": role, "model": label, "weights": weights, "bytes_per_step": weight_bytes(model),
+                     "linear_macs_per_token": linear_params(model), **costs})
+        del model
+    print(f"{'role':6s} {'weights':11s} {'GB/step':>7s} {'prefill s':>9s} " + " ".join(f"{m:>9d}" for m in args.tokens)
+          + "   (ms per step scoring M tokens; × its 1-token step)")
+    for r in rows:
+        cells = " ".join(f"{1e3 * s['seconds']:6.0f}" + (f" {s['ratio']:.1f}×" if s['tokens'] != 1 else "   ")
+                         for s in r["steps"])
+        print(f"{r['role']:6s} {r['weights']:11s} {r['bytes_per_step'] / 1e9:7.2f} {r['prefill_s']:9.2f} {cells}")
+    print(f"\n{machine.describe()}; prompt {rows[0]['prompt_tokens']} tokens; median of {args.repeat} after 2 warm-ups")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine.describe(), "repeat": args.repeat,
+                                               "statistic": "median seconds per call after 2 warm-up calls",
+                                               "rows": rows}, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench_drafts(args: argparse.Namespace) -> int:
     from .bench_drafts import speech_draft_figures, text_draft_figures
 
@@ -533,6 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--repeat", type=int, default=3)
     bb.add_argument("--json", metavar="FILE")
     bb.set_defaults(func=cmd_bench_batch)
+    bs = sub.add_parser("bench-steps", help="a model call's cost by weights format: prefill and a step scoring M tokens")
+    _add_common(bs)
+    bs.add_argument("--weights-list", nargs="+", default=["packed", "dense"], choices=["packed", "dense"])
+    bs.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16])
+    bs.add_argument("--repeat", type=int, default=5)
+    bs.add_argument("--json", metavar="FILE")
+    bs.set_defaults(func=cmd_bench_steps)
     bd = sub.add_parser("bench-drafts", help="acceptance vs draft vocabulary size, prompt-lookup hit rate, draft step "
                         "times, teacher-forced along the target's output (text or one audio window)")
     _add_common(bd, "either")

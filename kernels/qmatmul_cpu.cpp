@@ -94,8 +94,9 @@ inline void dequant_q8(const int8_t* q, const float* scale, int64_t k0, int64_t 
 
 // Each (row, column) output accumulates in CHAINS vectors of 8 lanes, part p of K (8 positions) going to
 // chain p mod CHAINS. Tile shape MT rows × NB columns: 2 × 4 keeps its 8 accumulators, 4 weights and an
-// input in registers (gcc spills 3 × 4). Measured on a 2-core AMD EPYC (AVX2) at M = 1 … 16 against
-// 2 × 2 and 1 × 4 with CHAINS = 2, which gain ~15% at M = 1 and lose up to 2× at M = 8.
+// input in registers (gcc spills 3 × 4). Measured on a 2-core AMD EPYC (AVX2), variants interleaved in one
+// process, weights streamed from DRAM, M = 1, 2, 4, 8: CHAINS = 2 (2 × 2 or 1 × 4 tiles) gains 10-20% at
+// M = 1 and loses 20-40% at M = 8; 3 × 3 and NB_SMALL = 4 gain nothing.
 constexpr int CHAINS = 1;
 constexpr int NB = 4;  // output columns per tile (their dequantized slices share the x loads)
 constexpr int ACC = CHAINS * 8;  // floats of accumulator per (row, column)
@@ -180,6 +181,7 @@ struct Q4Format {
                 _mm256_set_m128(_mm_set1_ps(scale[g + 1]), _mm_set1_ps(scale[g])),
                 _mm256_set_m128(_mm_set1_ps(minv[g + 1]), _mm_set1_ps(minv[g]))};
     }
+    const char* addr(int64_t n, int64_t b) const { return reinterpret_cast<const char*>(q + (n * K + b) / 2); }
     static __m256 part(const Block& blk, int t) {
         const __m256i v = _mm256_and_si256(_mm256_srli_epi32(blk.lanes, 4 * t), _mm256_set1_epi32(15));
         return _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), blk.s, blk.m);
@@ -197,6 +199,7 @@ struct Q8Format {
         return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * K + b)),
                 _mm256_set_m128(_mm_set1_ps(row[(b + 16) / GROUP]), _mm_set1_ps(row[b / GROUP]))};
     }
+    const char* addr(int64_t n, int64_t b) const { return reinterpret_cast<const char*>(q + n * K + b); }
     static __m256 part(const Block& blk, int t) {
         const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(blk.lanes, 24 - 8 * t), 24);
         return _mm256_mul_ps(_mm256_cvtepi32_ps(v), blk.s);
@@ -204,6 +207,9 @@ struct Q8Format {
 };
 
 constexpr int NB_SMALL = 2;  // columns per pass when dequantizing in registers
+// Elements ahead to prefetch along a weight row: streaming weights from DRAM at M = 1, 2048 took a q8 step
+// from 1.74 to 1.29 ms (8960 × 1536, weights beyond the L3; 512 and 1024 gained less).
+constexpr int64_t PREFETCH = 2048;
 
 template <int MT, typename Format>
 void small_columns(const float* xp, int64_t K, int64_t n0, int64_t N, const Format& f, const float* bias, float* y) {
@@ -214,7 +220,10 @@ void small_columns(const float* xp, int64_t K, int64_t n0, int64_t N, const Form
             for (int c = 0; c < CHAINS; ++c) acc[m][n][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K; b += Format::BLOCK) {
         typename Format::Block blk[NB_SMALL];
-        for (int n = 0; n < nb; ++n) blk[n] = f.load(n0 + n, b);
+        for (int n = 0; n < nb; ++n) {
+            _mm_prefetch(f.addr(n0 + n, b + PREFETCH), _MM_HINT_T0);  // past a row's end: the next rows
+            blk[n] = f.load(n0 + n, b);
+        }
         for (int t = 0; t < Format::PARTS; ++t)  // PARTS is even: part t of this block goes to chain t mod 2
             for (int n = 0; n < nb; ++n) {
                 const __m256 w = Format::part(blk[n], t);

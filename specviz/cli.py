@@ -79,8 +79,8 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
                    "model, ~5× the memory traffic per step); auto: packed wherever the model comes from a GGUF file")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     m.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
-                   help="int8 draft weights for a dense draft (default: on for a dense draft on the CPU; the target is "
-                   "never quantized)")
+                   help="int8 draft weights (default: on for the CPU, where its step is the fastest measured; "
+                   "--no-draft-int8: the draft follows --weights; the target is never quantized)")
     m.add_argument("--draft-kind", default=None, choices=DRAFT_KINDS,
                    help="who drafts: the draft model, prompt lookup (n-gram match on prompt and output, no draft "
                    "model), or lookup where an n-gram matches and the model elsewhere (default: measured per task)")

@@ -153,7 +153,8 @@ class ModelAccess:
 
 
 class ModelCache:
-    """Loaded pairs by name, shared read-only by all sessions.
+    """Loaded pairs by name, shared by all sessions: read-only but for each pair's prompt caches, which
+    lock (specviz.prompt_cache).
 
     One lock per pair keeps two sessions from loading the same pair twice without making a session that
     wants another pair wait for a slow load; the short dictionary lock only guards the lock table.
@@ -246,6 +247,9 @@ class Stops:
                 del self._flags[session]
 
 
+RENDER_SHARE_INVERSE = 9  # after a redraw that took t seconds, wait 9 t: redraws take at most ~10% of a run
+
+
 def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag,
               target_only: bool = False) -> Iterator[tuple[Trace, bool]]:
     """Decode in a worker thread; yield (trace so far, finished) as iterations arrive.
@@ -277,13 +281,19 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
 
     threading.Thread(target=work, daemon=True).start()
     ended = False
+    next_update = 0.0
     try:
         while (item := updates.get()) is not None:
             if isinstance(item, _Failure):
                 raise item.error
             builder.add(item)
-            if isinstance(item, Iteration):
+            # Redraw when no newer iteration waits and the last redraw's share of the time stays small: the
+            # page renders on the cores that decode, and a redraw per iteration slowed decoding measurably.
+            if isinstance(item, Iteration) and updates.empty() and time.perf_counter() >= next_update:
+                start = time.perf_counter()
                 yield builder.trace, False
+                now = time.perf_counter()
+                next_update = now + RENDER_SHARE_INVERSE * (now - start)
         ended = True
         if stop.is_set():
             builder.trace.meta["stopped"] = True

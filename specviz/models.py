@@ -25,7 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .cache import CACHE_ENV, cache_dir  # noqa: F401 (re-exported: tests and the CLI use it here)
-from .packed import PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, save_packed
+from .packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current,
+                     save_packed)
 from .prompt_cache import PromptCache
 from .quant import quantize_draft_int8
 
@@ -169,9 +170,11 @@ def _convert_gguf_dir(gguf_dir: Path, gguf_file: str, out_dir: Path, progress: P
 
 
 def _ensure_packed(spec: EmbeddedGGUF, model_dir: Path, progress: Progress) -> None:
-    """Add the packed blocks to a cache converted before they existed (assembles the GGUF once more)."""
-    if (model_dir / PACKED_FILE).exists():
+    """Add the packed blocks to a cache converted before they existed, or packed for another version of the
+    kernels (assembles the GGUF once more)."""
+    if packed_current(model_dir / PACKED_FILE):
         return
+    progress(f"packing {spec.name}'s GGUF blocks for this version of the CPU kernels (once)", None)
     work = cache_dir() / f".{spec.name}.packing"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -254,9 +257,11 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
         tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": extra["gguf_file"]} if extra else {}))
         if packed:
-            blocks = load_packed(Path(source) / PACKED_FILE) if "gguf_file" not in extra else None
-            if blocks is None:  # a user's own GGUF file: packed from it at each load (seconds)
+            if "gguf_file" in extra:  # a user's own GGUF file: packed from it at each load (seconds)
                 blocks = pack_gguf(model, Path(source) / extra["gguf_file"], progress)
+            elif (blocks := load_packed(Path(source) / PACKED_FILE)) is None:
+                raise ModelLoadError(f"the packed blocks of {label!r} in {source} are missing or unreadable; "
+                                     "delete that directory to convert the model again")
             apply_packed(model, blocks)
     except ModelLoadError:
         raise

@@ -28,7 +28,7 @@ from torch import nn
 from . import cpu_kernels
 from .gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # bump whenever the kernels read the packed bytes differently (v1: another nibble order)
 PACKED_FILE = "packed.safetensors"
 
 # GGUF tensor names (llama.cpp's qwen2/llama layout) -> transformers module names
@@ -156,15 +156,27 @@ def save_packed(packed: dict[str, Packed], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_packed(path: Path) -> dict[str, Packed] | None:
-    """Packed weights saved by save_packed; None when the file is missing or from another format version."""
-    if not path.exists():
-        return None
+def _packed_meta(path: Path) -> dict | None:
+    """The file's packing metadata when it is of this format version, else None (missing, unreadable, old)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("specviz_packed", "{}"))
-    if meta.get("version") != FORMAT_VERSION:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("specviz_packed", "{}"))
+    except Exception:  # a missing or truncated file: rebuilt by the caller
+        return None
+    return meta if meta.get("version") == FORMAT_VERSION else None
+
+
+def packed_current(path: Path) -> bool:
+    """Whether `path` holds packed weights this version of the kernels reads."""
+    return _packed_meta(path) is not None
+
+
+def load_packed(path: Path) -> dict[str, Packed] | None:
+    """Packed weights saved by save_packed; None when the file is missing, unreadable or of another version."""
+    meta = _packed_meta(path)
+    if meta is None:
         return None
     tensors = load_file(str(path))
     return {name: Packed(kind, tensors[f"{name}.q"], tensors[f"{name}.scale"], tensors.get(f"{name}.minv"), source)

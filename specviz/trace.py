@@ -537,7 +537,8 @@ def _from_v1(d: dict) -> Trace:
 
 # meta fields that the figures and the summary read, and the JSON types they must have when present
 _META_TYPES = {"mode": (str,), "task": (str,), "config": (dict,), "prompt_text": (str,), "wer": (int, float),
-               "rouge1": (int, float), "batch_size": (int,), "target_only": (dict,), "page_settings": (dict,)}
+               "rouge1": (int, float), "batch_size": (int,), "target_only": (dict,), "page_settings": (dict,),
+               "draft_weights": (str,), "target_weights": (str,), "prompts_reused": (int,)}
 
 
 def _check_consistent(trace: Trace) -> None:

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -25,7 +27,9 @@ from specviz.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, p
 from specviz.models import ModelPair
 from specviz.packed import PackedLinear, PackingError, apply_packed, describe
 from specviz.text import TextSource, prompt_sequences
+from specviz.report import summary_markdown
 from specviz.runs import run
+from specviz.trace import Trace, TraceFormatError
 
 from conftest import VOCAB, tiny_qwen
 from test_verify_statistics import FAMILY_ALPHA, POWER, Pair, gof_failure, probs_of, run_copies, samples_to_detect_tv
@@ -173,6 +177,22 @@ def test_the_prompt_cache_reads_each_prompt_once_and_changes_nothing(packed_pair
     assert second.meta["prompts_reused"] == 2 * len(batch_prompts)  # every prompt, target and draft
     assert second.outputs == first.outputs  # the same seed: the same draws on the same keys and values
     assert packed.target_prompts.hits >= len(batch_prompts)
+    assert "prompt read before" in summary_markdown(second) and "prompt read before" not in summary_markdown(first)
+
+
+def test_the_trace_says_which_weights_ran_and_refuses_malformed_ones(packed_pairs, prompt_ids, tmp_path):
+    _, packed = packed_pairs
+    cfg = SpecConfig(max_new_tokens=6)
+    trace = run(TextSource(packed, prompt_sequences([("p", prompt_ids)], 1, cfg)), cfg)
+    path = tmp_path / "t.json"
+    trace.save(path)
+    loaded = Trace.load(path)
+    assert loaded.meta["target_weights"] == packed.target_weights
+    assert "the target's linear layers: GGUF" in summary_markdown(loaded)
+    data = json.loads(path.read_text())
+    data["meta"]["target_weights"] = 5
+    with pytest.raises(TraceFormatError, match="target_weights"):
+        Trace.loads(json.dumps(data))
 
 
 def test_a_gguf_without_a_matching_tensor_is_refused(tmp_path):
@@ -202,3 +222,19 @@ def test_verification_follows_the_packed_targets_distribution(packed_pairs, prom
     out = run_copies(mode, pair, n, seed=777, **({} if mode == "baseline" else {"tile_size": GOF_V}))
     counts = torch.bincount(out.first_token, minlength=GOF_V).numpy()
     assert (failure := gof_failure(counts, p, alpha)) is None, failure
+
+
+def test_packed_files_of_another_version_are_not_trusted(tmp_path):
+    from specviz import packed as packed_module
+
+    blocks = {"lm_head": random_packed("q4", 8, 64, seed=4)}
+    path = tmp_path / "packed.safetensors"
+    packed_module.save_packed(blocks, path)
+    assert packed_module.packed_current(path)
+    assert torch.equal(packed_module.load_packed(path)["lm_head"].q, blocks["lm_head"].q)
+    (tmp_path / "old.safetensors").write_bytes(path.read_bytes().replace(b'\\"version\\": 2', b'\\"version\\": 1'))
+    assert not packed_module.packed_current(tmp_path / "old.safetensors")
+    assert packed_module.load_packed(tmp_path / "old.safetensors") is None
+    (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[:40])  # a write killed half way
+    assert packed_module.load_packed(tmp_path / "cut.safetensors") is None
+    assert packed_module.load_packed(tmp_path / "missing.safetensors") is None

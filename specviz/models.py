@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from . import cpu_kernels
 from .cache import CACHE_ENV, cache_dir  # noqa: F401 (re-exported: tests and the CLI use it here)
 from .packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current,
                      save_packed)
@@ -225,6 +226,21 @@ def _resolve(name: str, role: str) -> tuple[str | Path, dict]:
     return name, {}  # a hub id, resolved by transformers from its local cache or the hub
 
 
+def use_packed(weights: str, packable: bool, role: str, progress: Progress = _silent) -> bool:
+    """Whether a model that can run on packed weights (`packable`) does: asked for ("packed") or by default
+    ("auto") where the CPU kernels build here; "auto" falls back to dense weights, saying why."""
+    if weights == "dense" or not packable:
+        return False
+    try:
+        cpu_kernels.library()
+    except cpu_kernels.KernelBuildError as e:
+        if weights == "packed":
+            raise ModelLoadError(f"packed weights need specviz's CPU kernels, which could not be built here: {e}") from e
+        progress(f"the CPU kernels could not be built ({e}); the {role} model runs on dense fp32 weights", None)
+        return False
+    return True
+
+
 def load_model(
     name: str, role: str, *, device: torch.device, dtype: torch.dtype, weights: str = "dense",
     progress: Progress = _silent
@@ -243,7 +259,7 @@ def load_model(
         raise ModelLoadError(f"packed weights need a GGUF {role} model on the CPU in fp32; {label!r} is "
                              f"{'a GGUF file' if gguf else 'not a GGUF file'} on {device.type} in "
                              f"{str(dtype).removeprefix('torch.')} (use dense weights)")
-    packed = weights == "packed" or (weights == "auto" and packable)
+    packed = use_packed(weights, packable, role, progress)
     try:
         if isinstance(source, str) and source in EMBEDDED:
             source = ensure_embedded(source, progress)

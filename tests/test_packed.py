@@ -238,3 +238,19 @@ def test_packed_files_of_another_version_are_not_trusted(tmp_path):
     (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[:40])  # a write killed half way
     assert packed_module.load_packed(tmp_path / "cut.safetensors") is None
     assert packed_module.load_packed(tmp_path / "missing.safetensors") is None
+
+
+def test_without_a_compiler_auto_falls_back_to_dense_and_packed_says_why(monkeypatch):
+    from specviz import models
+
+    def no_build():
+        raise cpu_kernels.KernelBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(cpu_kernels, "library", no_build)
+    said = []
+    assert models.use_packed("auto", True, "target", lambda m, f: said.append(m)) is False
+    assert "no C++ compiler found" in said[0] and "dense" in said[0]
+    with pytest.raises(models.ModelLoadError, match="could not be built here: no C\\+\\+ compiler"):
+        models.use_packed("packed", True, "target")
+    assert models.use_packed("dense", True, "target") is False
+    assert models.use_packed("auto", False, "target") is False

@@ -62,11 +62,14 @@ def _build(out: Path) -> None:
 
 _lock = threading.Lock()  # guards the one-time build and load below (the page decodes from several threads)
 _library: ctypes.CDLL | None = None
+_max_rows = 0
 
 
 def library() -> ctypes.CDLL:
     """The loaded kernel library, built on first use on this machine."""
-    global _library
+    global _library, _max_rows
+    if _library is not None:  # set once, never unset: read without the lock on every call (the hot path)
+        return _library
     with _lock:
         if _library is not None:
             return _library
@@ -87,6 +90,7 @@ def library() -> ctypes.CDLL:
         lib.specviz_q8_dequant.argtypes = [ptr, ptr, i64, i64, i64, ptr]
         for f in (lib.specviz_q4_matmul, lib.specviz_q8_matmul, lib.specviz_q4_dequant, lib.specviz_q8_dequant):
             f.restype = None
+        _max_rows = lib.specviz_max_rows()
         _library = lib
         return lib
 
@@ -101,7 +105,8 @@ def available() -> bool:
 
 def max_rows() -> int:
     """The most rows one kernel call takes (its per-thread accumulators are sized for it)."""
-    return library().specviz_max_rows()
+    library()
+    return _max_rows
 
 
 def vectorized() -> bool:

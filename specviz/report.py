@@ -84,8 +84,9 @@ def summary_markdown(trace: Trace) -> str:
         lines.append(f"α ≈ {s['alpha']:.3f} (mean of min(1, p/q) over the drafts verification examined: the chance "
                      f"a draft passes) · acceptance rate {s['acceptance_rate']:.3f} (accepted / drafted: drafts after a "
                      f"rejection count as not accepted) · tokens per iteration {s['tokens_per_iteration']:.2f} "
-                     f"(Leviathan predicts {s['predicted_tokens_per_iteration']:.2f} from α and γ) · median verify "
-                     f"{1e3 * s['median_verify_ms']:.0f} µs per call")
+                     f"(Leviathan predicts {s['predicted_tokens_per_iteration']:.2f} from α and γ)"
+                     + (f" · median verify {1e3 * s['median_verify_ms']:.0f} µs per call"
+                        if s.get("median_verify_ms") is not None else ""))
     if (wer := number(trace.meta, "wer")) is not None:
         lines.append(f"WER against the reference: {wer:.3f}")
     if (rouge := number(trace.meta, "rouge1")) is not None:

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 from . import theory
 from .config import MAX_EXPLAIN_TOP
-from .records import (ACCEPTED, BONUS, DISCARDED, DRAFTERS, FINISH_REASONS, LOOKUP, MODEL, NEXT_KINDS, OUTCOMES, TARGET,
-                      Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, StepRecord, TopTokens)
+from .records import (ACCEPTED, BONUS, DISCARDED, DRAFTERS, FINISH_REASONS, LOOKUP, MODEL, NEXT_KINDS, OUTCOMES, REJECTED,
+                      TARGET, Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, StepRecord, TopTokens)
 
 SCHEMA_VERSION = 3
 
@@ -174,8 +174,9 @@ class Trace:
                 draft_s=sum(s.draft_s for s in steps),
                 target_s=sum(s.target_s for s in steps),
                 verify_s=sum(s.verify_s for s in steps),
-                median_verify_ms=1e3 * statistics.median(s.verify_s for s in steps),
             )
+            if steps:  # a crafted trace may hold decisions without the steps they refer to
+                out.update(median_verify_ms=1e3 * statistics.median(s.verify_s for s in steps))
             out.update(lookup_share=sum(d.drafter == LOOKUP for d in drafted) / len(drafted),
                        cost_ratio=self.cost_ratio())
         if explained := sum(s.explain_s for s in steps):
@@ -273,6 +274,7 @@ class Trace:
             raise TraceFormatError(f"unknown trace schema_version {version}")
         trace = _from_v1(d) if version == 1 else _from_v2(d)
         _check_consistent(trace)
+        _check_derived(trace)
         return trace
 
     @classmethod
@@ -291,9 +293,13 @@ class Trace:
     def loads(cls, text: str, name: str = "the trace") -> "Trace":
         """Parse and check a trace's JSON text: refused with a TraceFormatError that names what is wrong."""
         try:
-            data = json.loads(text, parse_constant=_no_constant)
+            data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{name} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
+        except TraceFormatError:
+            raise
+        except ValueError as e:  # the decoder's own limits (e.g. Python's cap on integer digits)
+            raise TraceFormatError(f"{name} holds a number JSON cannot hold here ({e})") from e
         except RecursionError:
             raise TraceFormatError(f"{name} nests too deeply to be a specviz trace") from None
         _check_plain_json(data, "trace", 0)
@@ -354,6 +360,23 @@ def _bounded(value: float) -> bool:
 
 def _no_constant(name: str):
     raise TraceFormatError(f"malformed trace: {name} is not a number a trace may hold")
+
+
+MAX_NUMBER_CHARS = 64  # no number a trace holds needs more characters (an id, a time, a probability)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if len(text) > MAX_NUMBER_CHARS or not math.isfinite(value):
+        raise TraceFormatError(f"malformed trace: the number {text[:40]}… is not a finite number a trace may hold"
+                               if len(text) > 40 else f"malformed trace: {text} is not a finite number a trace may hold")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise TraceFormatError(f"malformed trace: a number of {len(text):,} digits is not a number a trace may hold")
+    return int(text)
 
 
 def _check_plain_json(value: Any, where: str, depth: int) -> None:
@@ -541,8 +564,40 @@ _META_TYPES = {"mode": (str,), "task": (str,), "config": (dict,), "prompt_text":
                "draft_weights": (str,), "target_weights": (str,), "prompts_reused": (int,)}
 
 
+def _numbers(node, path: str):
+    """(path, value) for every number in a summary-like tree."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _numbers(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _numbers(v, f"{path}[{i}]")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield path, node
+
+
+def _check_derived(trace: Trace) -> None:
+    """What the page computes from a loaded trace must be finite too: a total_s of 5e-324 is a valid number
+    but makes every rate infinite, and a target-only rate near zero an infinite speedup."""
+    for path, value in _numbers(trace.summary(), ""):
+        if not math.isfinite(value):
+            raise TraceFormatError(f"malformed trace: its {path} works out to {value} (times or counts no run "
+                                   "produces)")
+    reference = trace.meta.get("target_only")
+    if isinstance(reference, dict):
+        for key in ("decode_tokens_per_s", "tokens_per_s"):
+            value = reference.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 1e-6 <= value <= 1e9):
+                raise TraceFormatError(f"malformed trace: meta.target_only.{key} should be a rate between 1e-6 "
+                                       f"and 1e9 tokens/s, got {str(value)[:40]}")
+
+
 def _check_consistent(trace: Trace) -> None:
     """What types alone cannot say: list lengths, enumerations, ranges, and references between parts."""
+    for key in _META_TYPES:  # null means absent: readers can then take a present value's type for granted
+        if key in trace.meta and trace.meta[key] is None:
+            del trace.meta[key]
     for key, types in _META_TYPES.items():
         value = trace.meta.get(key)
         if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
@@ -592,6 +647,12 @@ def _check_consistent(trace: Trace) -> None:
             if not 0 <= d.n_accepted <= d.gamma or not 0 <= d.emitted <= d.n_accepted + 1:
                 raise TraceFormatError(f"malformed trace: {where} has n_accepted {d.n_accepted} and emitted "
                                        f"{d.emitted} for γ = {d.gamma}")
+            expected = [ACCEPTED] * d.n_accepted + ([REJECTED] if d.n_accepted < d.gamma else [])
+            expected += [DISCARDED] * (d.gamma - len(expected))
+            if d.outcome != expected:
+                raise TraceFormatError(f"malformed trace: {where} has outcomes {d.outcome[:4]}…; with n_accepted "
+                                       f"{d.n_accepted} of γ = {d.gamma} they must be {d.n_accepted} accepted, then "
+                                       f"one rejected and the rest discarded")
             if (d.gamma == 0) != (d.next_kind == TARGET):
                 raise TraceFormatError(f"malformed trace: {where}: only target-only steps draft nothing")
             if d.gamma and (d.n_accepted == d.gamma) != (d.next_kind == BONUS):

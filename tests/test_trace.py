@@ -3,13 +3,14 @@ what is not a trace this version can read."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from specviz import viz
+from specviz import page, report, viz
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.page import figures
 from specviz.trace import SCHEMA_VERSION, Trace, TraceFormatError
@@ -189,3 +190,40 @@ def test_loads_refuses_what_cannot_be_written_back(trace):
     data["meta"]["wer"] = "0.1"
     with pytest.raises(TraceFormatError, match="meta.wer"):
         Trace.loads(json.dumps(data))
+
+
+def _v1_text(edit=None, text_edit=None) -> str:
+    data = copy.deepcopy(V1_TRACE)
+    if edit:
+        edit(data)
+    text = json.dumps(data)
+    return text_edit(text) if text_edit else text
+
+
+def _all_discarded(data):
+    for it in data["iterations"]:
+        it.update(outcome=["discarded"] * len(it["outcome"]), n_accepted=0, emitted=1, next_kind="resampled")
+
+
+@pytest.mark.parametrize("text, message", [
+    (_v1_text(text_edit=lambda t: t.replace('"total_s": ', '"total_s": ' + "1" * 5000 + ', "x": ', 1)), "5,000 digits"),
+    (_v1_text(text_edit=lambda t: t.replace('"total_s": ', '"total_s": 1e309, "x": ', 1)), "1e309 is not a finite"),
+    (_v1_text(lambda d: d["meta"].update(wer=0.5), lambda t: t.replace('"wer": 0.5', '"wer": -1e309')), "-1e309"),
+    (_v1_text(text_edit=lambda t: t.replace('"total_s": ', '"total_s": 5e-324, "x": ', 1)), "works out to inf"),
+    (_v1_text(lambda d: d["meta"].update(target_only={"decode_tokens_per_s": 5e-324, "tokens_per_s": 1.0})),
+     "target_only.decode_tokens_per_s"),
+    (_v1_text(_all_discarded), "one rejected and the rest discarded"),
+], ids=["5000-digit number", "1e309", "-1e309 in meta", "subnormal total_s", "subnormal reference rate",
+        "every outcome discarded"])
+def test_reported_v1_traces_are_refused_with_a_message(text, message):
+    with pytest.raises(TraceFormatError, match=message):
+        Trace.loads(text)
+
+
+def test_null_meta_values_are_absent_values():
+    """meta.config: null once raised AttributeError in the checks; null now means the key is absent."""
+    trace = Trace.loads(_v1_text(lambda d: d["meta"].update(config=None, target_only=None, wer=None)))
+    assert "config" not in trace.meta and "target_only" not in trace.meta
+    page.figures(trace, None)
+    report.summary_markdown(trace)
+    json.dumps(trace.to_dict(), allow_nan=False)

@@ -18,11 +18,15 @@ from specviz.trace import Trace, TraceFormatError
 from conftest import decode
 from test_trace import V1_TRACE
 
-N_MUTANTS = 2_200
+N_MUTANTS = 3_000
 SCRIPT = ['"><img src=x onerror=alert(1)>', '" onmouseover="alert(1)', "<script>alert(1)</script>",
           "javascript:alert(1)", "</span><b onclick=alert(1)>"]
+# numbers json.dumps cannot write (they are put into the text in place of these markers): 5,000 digits, a
+# float literal that parses as infinity
+TEXT_NUMBERS = {"__HUGE_INT__": "1" * 5000, "__OVERFLOW__": "1e309", "__NEG_OVERFLOW__": "-1e309"}
 HOSTILE = [None, True, False, -1, 0, 1, 7, 10**29, 2**60, -2**40, 1e308, -1e-9, 0.5, 1.5, "", "x", "accepted",
-           "\ud800", [], {}, [1, 2, 3], [0.1] * 3, ["a"], {"a": 1}, float("nan"), float("inf"), *SCRIPT]
+           "\ud800", [], {}, [1, 2, 3], [0.1] * 3, ["a"], {"a": 1}, float("nan"), float("inf"), *SCRIPT,
+           5e-324, 1e-300, *TEXT_NUMBERS]
 
 
 class _Markup(HTMLParser):
@@ -97,6 +101,9 @@ def mutate(base: dict, rng: random.Random) -> str:
                 parent[key].pop()
             else:
                 parent[key].append(copy.deepcopy(parent[key][-1]))
+        elif kind < 0.7 and isinstance(parent[key], dict):  # null in every slot of one object
+            for k in parent[key]:
+                parent[key][k] = None
         elif isinstance(parent[key], str):  # markup inside a string the page shows
             parent[key] = rng.choice(SCRIPT)
         else:  # a nearby number
@@ -104,6 +111,8 @@ def mutate(base: dict, rng: random.Random) -> str:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 parent[key] = value + rng.choice((-1, 1, -0.5, 1000))
     text = json.dumps(data, allow_nan=True)
+    for marker, number in TEXT_NUMBERS.items():
+        text = text.replace(f'"{marker}"', number)
     if rng.random() < 0.08:  # damage the text: cut it, or change one character
         cut = rng.randrange(len(text))
         text = text[:cut] if rng.random() < 0.5 else text[:cut] + rng.choice('{}[]",:0x\\') + text[cut + 1:]
@@ -120,26 +129,36 @@ def bases(tiny_pair, batch_prompts) -> list[dict]:
     for seq in batched["sequences"]:
         seq["finished_s"] = 0.1 * len(batched["steps"])
     batched.update(prefill_s=0.5, total_s=0.1 * len(batched["steps"]) + 0.5)
-    return [batched, copy.deepcopy(V1_TRACE)]
+    v2 = copy.deepcopy(batched)  # what a version-2 writer produced: no why-panel data, no explain_s
+    for s in v2["sequences"]:
+        for d in s["decisions"]:
+            d.pop("why", None)
+    for step in v2["steps"]:
+        step.pop("explain_s", None)
+    v2["schema_version"] = 2
+    return [batched, copy.deepcopy(V1_TRACE), v2]
 
 
 def test_trace_fuzz(bases, capsys):
     rng = random.Random(20261122)
-    counts = {"tried": 0, "refused": 0, "loaded": 0}
+    counts = {v: {"tried": 0, "refused": 0, "loaded": 0, "crashed": 0} for v in (1, 2, 3)}
     crashes, injections = [], []
     for i in range(N_MUTANTS):
-        text = mutate(bases[i % len(bases)], rng)
-        counts["tried"] += 1
+        base = bases[i % len(bases)]
+        tally = counts[base["schema_version"]]
+        text = mutate(base, rng)
+        tally["tried"] += 1
         try:
             trace = Trace.loads(text)
         except TraceFormatError as e:
-            counts["refused"] += 1
+            tally["refused"] += 1
             assert str(e) and "float, got float" not in str(e)
             continue
         except Exception as e:  # noqa: BLE001: anything else is the bug this test looks for
             crashes.append((i, "load", repr(e)[:200]))
+            tally["crashed"] += 1
             continue
-        counts["loaded"] += 1
+        tally["loaded"] += 1
         try:
             drawn = page.figures(trace, upto=1 if i % 8 == 0 else None) if i % 4 == 0 else {
                 "tokens": page.viz.token_html(trace), "summary": report.summary_markdown(trace),
@@ -149,6 +168,7 @@ def test_trace_fuzz(bases, capsys):
             json.dumps(trace.to_dict(), ensure_ascii=False, allow_nan=False).encode("utf-8")
         except Exception as e:  # noqa: BLE001
             crashes.append((i, "draw/export", repr(e)[:200]))
+            tally["crashed"] += 1
             continue
         extra = (injected(drawn["tokens"], {"div", "span"}, {"class", "title", "data-step", "data-seq", "data-pos"})
                  | injected(drawn["summary"], set(), set()) | injected(drawn["warning"], {"div", "b"}, {"class", "role"})
@@ -156,8 +176,11 @@ def test_trace_fuzz(bases, capsys):
         if extra:
             injections.append((i, sorted(extra)))
     with capsys.disabled():
-        print(f"\ntrace fuzz: {counts['tried']} tried, {counts['refused']} refused, {counts['loaded']} loaded, "
-              f"{len(crashes)} crashed, {len(injections)} injections")
+        for version, c in counts.items():
+            print(f"\ntrace fuzz, schema v{version}: {c['tried']} tried, {c['refused']} refused, {c['loaded']} loaded, "
+                  f"{c['crashed']} crashed", end="")
+        print(f"; {len(injections)} injections")
     assert not crashes, crashes[:5]
     assert not injections, injections[:5]
-    assert counts["loaded"] > 200 and counts["refused"] > 200  # both paths were exercised
+    for version, c in counts.items():  # both paths were exercised for every schema version
+        assert c["loaded"] > 60 and c["refused"] > 60, (version, c)

@@ -46,136 +46,18 @@ void permute_rows(const float* x, int64_t M, int64_t K, int64_t block, int64_t p
                 for (int64_t j = 0; j < 8; ++j) xp[r * K + b + t * 8 + j] = x[r * K + b + per_lane * j + t];
 }
 
-// ---- dequantize [k0, k0 + n) of one weight row into w, in permuted order ---------------------------
-
-inline void dequant_q4(const uint8_t* q, const float* scale, const float* minv, int64_t k0, int64_t n, float* w) {
-    for (int64_t b = k0; b < k0 + n; b += Q4_BLOCK, w += Q4_BLOCK) {
-        const int64_t g = b / 32;  // lanes 0-3 are group g, lanes 4-7 group g + 1
-#ifdef SPECVIZ_AVX2
-        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b / 2));
-        const __m256i mask = _mm256_set1_epi32(15);
-        const __m256 s = _mm256_set_m128(_mm_set1_ps(scale[g + 1]), _mm_set1_ps(scale[g]));
-        const __m256 m = _mm256_set_m128(_mm_set1_ps(minv[g + 1]), _mm_set1_ps(minv[g]));
-        for (int t = 0; t < 8; ++t) {
-            const __m256i v = _mm256_and_si256(_mm256_srli_epi32(lanes, 4 * t), mask);
-            _mm256_storeu_ps(w + t * 8, _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), s, m));
-        }
-#else
-        for (int t = 0; t < 8; ++t)
-            for (int j = 0; j < 8; ++j) {
-                const int64_t e = b + 8 * j + t;
-                const int v = (q[e / 2] >> (4 * (e & 1))) & 15;
-                w[t * 8 + j] = __builtin_fmaf(static_cast<float>(v), scale[g + j / 4], -minv[g + j / 4]);
-            }
-#endif
-    }
-}
-
-template <int64_t GROUP>
-inline void dequant_q8(const int8_t* q, const float* scale, int64_t k0, int64_t n, float* w) {
-    for (int64_t b = k0; b < k0 + n; b += Q8_BLOCK, w += Q8_BLOCK) {
-        // group 16: lanes 0-3 are group b / 16, lanes 4-7 the next; group 32: one group
-        const float s0 = scale[b / GROUP], s1 = scale[(b + 16) / GROUP];
-#ifdef SPECVIZ_AVX2
-        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b));
-        const __m256 s = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-        for (int t = 0; t < 4; ++t) {
-            const __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(lanes, 24 - 8 * t), 24);
-            _mm256_storeu_ps(w + t * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(v), s));
-        }
-#else
-        for (int t = 0; t < 4; ++t)
-            for (int j = 0; j < 8; ++j) w[t * 8 + j] = static_cast<float>(q[b + 4 * j + t]) * (j < 4 ? s0 : s1);
-#endif
-    }
-}
-
-// ---- the tile: acc[m][n] (8 lanes each) += x[m, k0 : k0 + len] · w[n] for MT rows × NB columns -------
-
-// Each (row, column) output accumulates in CHAINS vectors of 8 lanes, part p of K (8 positions) going to
-// chain p mod CHAINS. Tile shape MT rows × NB columns: 2 × 4 keeps its 8 accumulators, 4 weights and an
-// input in registers (gcc spills 3 × 4). Measured on a 2-core AMD EPYC (AVX2), variants interleaved in one
-// process, weights streamed from DRAM, M = 1, 2, 4, 8: CHAINS = 2 (2 × 2 or 1 × 4 tiles) gains 10-20% at
-// M = 1 and loses 20-40% at M = 8; 3 × 3 and NB_SMALL = 4 gain nothing.
-constexpr int CHAINS = 1;
-constexpr int NB = 4;  // output columns per tile (their dequantized slices share the x loads)
-constexpr int ACC = CHAINS * 8;  // floats of accumulator per (row, column)
-
-template <int MT>
-inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t len, const float* w, float* acc) {
-#ifdef SPECVIZ_AVX2
-    __m256 a[MT][NB][CHAINS];
-    for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NB; ++n)
-            for (int c = 0; c < CHAINS; ++c) a[m][n][c] = _mm256_loadu_ps(acc + (m * NB + n) * ACC + 8 * c);
-    for (int64_t i = 0; i < len; i += 8 * CHAINS)
-        for (int c = 0; c < CHAINS; ++c) {
-            __m256 wv[NB];
-            for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * SLICE + i + 8 * c);
-            for (int m = 0; m < MT; ++m) {
-                const __m256 xv = _mm256_loadu_ps(x + m * ldx + k0 + i + 8 * c);
-                for (int n = 0; n < NB; ++n) a[m][n][c] = _mm256_fmadd_ps(xv, wv[n], a[m][n][c]);
-            }
-        }
-    for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NB; ++n)
-            for (int c = 0; c < CHAINS; ++c) _mm256_storeu_ps(acc + (m * NB + n) * ACC + 8 * c, a[m][n][c]);
-#else
-    for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NB; ++n)
-            for (int64_t i = 0; i < len; i += 8)
-                for (int l = 0; l < 8; ++l) {
-                    float& a = acc[(m * NB + n) * ACC + 8 * ((i / 8) % CHAINS) + l];
-                    a = __builtin_fmaf(x[m * ldx + k0 + i + l], w[n * SLICE + i + l], a);
-                }
-#endif
-}
-
-// the fixed-order reduction of one output's CHAINS × 8 lanes
-inline float reduce(const float* a) {
-    float v[8];
-    for (int l = 0; l < 8; ++l) v[l] = a[l];
-    for (int c = 1; c < CHAINS; ++c)
-        for (int l = 0; l < 8; ++l) v[l] += a[8 * c + l];
-    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
-}
-
-constexpr int64_t MAX_ROWS = 256;  // rows per call held in the per-thread accumulators (callers split beyond)
-constexpr int MT_MAX = 2;          // rows per tile
-
-// Columns [n0, n0 + NB) (the last tile may hold fewer real ones) for all M rows.
-template <typename Dequant>
-void columns(const float* x, int64_t M, int64_t K, int64_t n0, int64_t N, Dequant dequant_row, const float* bias,
-             float* y, float* w, float* acc) {
-    const int nb = N - n0 < NB ? static_cast<int>(N - n0) : NB;
-    memset(acc, 0, sizeof(float) * M * NB * ACC);
-    if (nb < NB) memset(w, 0, sizeof(float) * NB * SLICE);
-    for (int64_t k0 = 0; k0 < K; k0 += SLICE) {
-        const int64_t len = K - k0 < SLICE ? K - k0 : SLICE;
-        for (int n = 0; n < nb; ++n) dequant_row(n0 + n, k0, len, w + n * SLICE);
-        int64_t m = 0;
-        for (; m + MT_MAX <= M; m += MT_MAX) tile<MT_MAX>(x + m * K, K, k0, len, w, acc + m * NB * ACC);
-        switch (M - m) {  // the remaining rows: the same per-row operations in a smaller tile
-            case 2: tile<2>(x + m * K, K, k0, len, w, acc + m * NB * ACC); break;
-            case 1: tile<1>(x + m * K, K, k0, len, w, acc + m * NB * ACC); break;
-            default: break;
-        }
-    }
-    for (int64_t m = 0; m < M; ++m)
-        for (int n = 0; n < nb; ++n) y[m * N + n0 + n] = reduce(acc + (m * NB + n) * ACC) + (bias ? bias[n0 + n] : 0.0f);
-}
+// ---- the weight formats: a block of one weight row unpacked part by part, in permuted order ----------
+// Part t of a block is 8 weights (lane j: element per_lane * j + t). The register path (M <= 2) uses the
+// parts directly; the slice path stores them (dequant) for several rows to share. Both run the same
+// operations, so a row's result does not depend on which path ran.
 
 #ifdef SPECVIZ_AVX2
-// ---- small M (<= 2 rows): dequantize in registers, no slice buffer --------------------------------
-// The same operations in the same order as dequant_* followed by tile<>: w = fmsub(q, s, m) (or q * s),
-// then acc = fma(x, w, acc) position by position, so a row's result does not depend on which path ran.
-
 struct Q4Format {
     const uint8_t* q; const float* scale; const float* minv; int64_t K;
     static constexpr int64_t BLOCK = Q4_BLOCK;
     static constexpr int PARTS = 8;
     struct Block { __m256i lanes; __m256 s, m; };
-    Block load(int64_t n, int64_t b) const {
+    Block load(int64_t n, int64_t b) const {  // lanes 0-3 are group g, lanes 4-7 group g + 1
         const int64_t g = n * (K / 32) + b / 32;
         return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n * K + b) / 2)),
                 _mm256_set_m128(_mm_set1_ps(scale[g + 1]), _mm_set1_ps(scale[g])),
@@ -194,7 +76,7 @@ struct Q8Format {
     static constexpr int64_t BLOCK = Q8_BLOCK;
     static constexpr int PARTS = 4;
     struct Block { __m256i lanes; __m256 s; };
-    Block load(int64_t n, int64_t b) const {
+    Block load(int64_t n, int64_t b) const {  // group 16: lanes 0-3 are one group, 4-7 the next
         const float* row = scale + n * (K / GROUP);
         return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * K + b)),
                 _mm256_set_m128(_mm_set1_ps(row[(b + 16) / GROUP]), _mm_set1_ps(row[b / GROUP]))};
@@ -206,6 +88,123 @@ struct Q8Format {
     }
 };
 
+// [k0, k0 + len) of weight row n into w
+template <typename Format>
+inline void dequant(const Format& f, int64_t n, int64_t k0, int64_t len, float* w) {
+    for (int64_t b = k0; b < k0 + len; b += Format::BLOCK, w += Format::BLOCK) {
+        const typename Format::Block blk = f.load(n, b);
+        for (int t = 0; t < Format::PARTS; ++t) _mm256_storeu_ps(w + t * 8, Format::part(blk, t));
+    }
+}
+#else
+// The portable build: the same values and order, one element at a time.
+struct Q4Format {
+    const uint8_t* q; const float* scale; const float* minv; int64_t K;
+};
+
+template <int64_t GROUP>
+struct Q8Format {
+    const int8_t* q; const float* scale; int64_t K;
+};
+
+inline void dequant(const Q4Format& f, int64_t n, int64_t k0, int64_t len, float* w) {
+    for (int64_t b = k0; b < k0 + len; b += Q4_BLOCK, w += Q4_BLOCK)
+        for (int t = 0; t < 8; ++t)
+            for (int j = 0; j < 8; ++j) {
+                const int64_t e = n * f.K + b + 8 * j + t, g = e / 32;
+                const int v = (f.q[e / 2] >> (4 * (e & 1))) & 15;
+                w[t * 8 + j] = __builtin_fmaf(static_cast<float>(v), f.scale[g], -f.minv[g]);
+            }
+}
+
+template <int64_t GROUP>
+inline void dequant(const Q8Format<GROUP>& f, int64_t n, int64_t k0, int64_t len, float* w) {
+    for (int64_t b = k0; b < k0 + len; b += Q8_BLOCK, w += Q8_BLOCK)
+        for (int t = 0; t < 4; ++t)
+            for (int j = 0; j < 8; ++j) {
+                const int64_t e = n * f.K + b + 4 * j + t;
+                w[t * 8 + j] = static_cast<float>(f.q[e]) * f.scale[e / GROUP];
+            }
+}
+#endif
+
+// ---- the tile: acc[m][n] (8 lanes each) += x[m, k0 : k0 + len] · w[n] for MT rows × NB columns -------
+
+// Each (row, column) output accumulates in one vector of 8 lanes. Tile shape MT rows × NB columns: 2 × 4
+// keeps its 8 accumulators, 4 weights and an input in registers (gcc spills 3 × 4). Measured on a 2-core
+// AMD EPYC (AVX2), variants interleaved in one process, weights streamed from DRAM, M = 1, 2, 4, 8: two
+// accumulators per output (2 × 2 or 1 × 4 tiles) gain 10-20% at M = 1 and lose 20-40% at M = 8; 3 × 3
+// tiles and 4 columns at a time in the register path gain nothing.
+constexpr int NB = 4;  // output columns per tile (their dequantized slices share the x loads)
+
+template <int MT>
+inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t len, const float* w, float* acc) {
+#ifdef SPECVIZ_AVX2
+    __m256 a[MT][NB];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NB; ++n) a[m][n] = _mm256_loadu_ps(acc + (m * NB + n) * 8);
+    for (int64_t i = 0; i < len; i += 8) {
+        __m256 wv[NB];
+        for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(w + n * SLICE + i);
+        for (int m = 0; m < MT; ++m) {
+            const __m256 xv = _mm256_loadu_ps(x + m * ldx + k0 + i);
+            for (int n = 0; n < NB; ++n) a[m][n] = _mm256_fmadd_ps(xv, wv[n], a[m][n]);
+        }
+    }
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NB; ++n) _mm256_storeu_ps(acc + (m * NB + n) * 8, a[m][n]);
+#else
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NB; ++n)
+            for (int64_t i = 0; i < len; i += 8)
+                for (int l = 0; l < 8; ++l) {
+                    float& a = acc[(m * NB + n) * 8 + l];
+                    a = __builtin_fmaf(x[m * ldx + k0 + i + l], w[n * SLICE + i + l], a);
+                }
+#endif
+}
+
+// the fixed-order reduction of one output's 8 lanes
+inline float reduce(const float* v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+constexpr int64_t MAX_ROWS = 256;  // rows per call held in the per-thread accumulators (callers split beyond)
+constexpr int MT_MAX = 2;          // rows per tile
+
+// Columns [n0, n0 + NB) (the last tile may hold fewer real ones) for all M rows.
+template <typename Format>
+void columns(const float* x, int64_t M, int64_t K, int64_t n0, int64_t N, const Format& f, const float* bias,
+             float* y, float* w, float* acc) {
+    const int nb = N - n0 < NB ? static_cast<int>(N - n0) : NB;
+    memset(acc, 0, sizeof(float) * M * NB * 8);
+    if (nb < NB) memset(w, 0, sizeof(float) * NB * SLICE);
+    for (int64_t k0 = 0; k0 < K; k0 += SLICE) {
+        const int64_t len = K - k0 < SLICE ? K - k0 : SLICE;
+        for (int n = 0; n < nb; ++n) dequant(f, n0 + n, k0, len, w + n * SLICE);
+        int64_t m = 0;
+        for (; m + MT_MAX <= M; m += MT_MAX) tile<MT_MAX>(x + m * K, K, k0, len, w, acc + m * NB * 8);
+        if (m < M) tile<1>(x + m * K, K, k0, len, w, acc + m * NB * 8);  // the odd row: the same operations
+    }
+    for (int64_t m = 0; m < M; ++m)
+        for (int n = 0; n < nb; ++n) y[m * N + n0 + n] = reduce(acc + (m * NB + n) * 8) + (bias ? bias[n0 + n] : 0.0f);
+}
+
+template <typename Format>
+void matmul(const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y, int nthreads,
+            const Format& f) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        alignas(64) float w[NB * SLICE];
+        alignas(64) float acc[MAX_ROWS * NB * 8];
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NB) columns(x, M, K, n0, N, f, bias, y, w, acc);
+    }
+}
+
+#ifdef SPECVIZ_AVX2
+// ---- small M (<= 2 rows): dequantize in registers, no slice buffer --------------------------------
+
 constexpr int NB_SMALL = 2;  // columns per pass when dequantizing in registers
 // Elements ahead to prefetch along a weight row: streaming weights from DRAM at M = 1, 2048 took a q8 step
 // from 1.74 to 1.29 ms (8960 × 1536, weights beyond the L3; 512 and 1024 gained less).
@@ -214,27 +213,26 @@ constexpr int64_t PREFETCH = 2048;
 template <int MT, typename Format>
 void small_columns(const float* xp, int64_t K, int64_t n0, int64_t N, const Format& f, const float* bias, float* y) {
     const int nb = N - n0 < NB_SMALL ? static_cast<int>(N - n0) : NB_SMALL;
-    __m256 acc[MT][NB_SMALL][CHAINS];
+    __m256 acc[MT][NB_SMALL];
     for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NB_SMALL; ++n)
-            for (int c = 0; c < CHAINS; ++c) acc[m][n][c] = _mm256_setzero_ps();
+        for (int n = 0; n < NB_SMALL; ++n) acc[m][n] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K; b += Format::BLOCK) {
         typename Format::Block blk[NB_SMALL];
         for (int n = 0; n < nb; ++n) {
             _mm_prefetch(f.addr(n0 + n, b + PREFETCH), _MM_HINT_T0);  // past a row's end: the next rows
             blk[n] = f.load(n0 + n, b);
         }
-        for (int t = 0; t < Format::PARTS; ++t)  // PARTS is even: part t of this block goes to chain t mod 2
+        for (int t = 0; t < Format::PARTS; ++t)
             for (int n = 0; n < nb; ++n) {
                 const __m256 w = Format::part(blk[n], t);
                 for (int m = 0; m < MT; ++m)
-                    acc[m][n][t % CHAINS] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + m * K + b + t * 8), w, acc[m][n][t % CHAINS]);
+                    acc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + m * K + b + t * 8), w, acc[m][n]);
             }
     }
-    alignas(32) float lanes[ACC];
+    alignas(32) float lanes[8];
     for (int m = 0; m < MT; ++m)
         for (int n = 0; n < nb; ++n) {
-            for (int c = 0; c < CHAINS; ++c) _mm256_store_ps(lanes + 8 * c, acc[m][n][c]);
+            _mm256_store_ps(lanes, acc[m][n]);
             y[m * N + n0 + n] = reduce(lanes) + (bias ? bias[n0 + n] : 0.0f);
         }
 }
@@ -250,16 +248,13 @@ void small_matmul(const float* xp, int64_t M, int64_t K, int64_t N, const float*
 }
 #endif
 
-template <typename Dequant>
-void matmul(const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* y, int nthreads,
-            Dequant dequant_row) {
-#pragma omp parallel num_threads(nthreads)
-    {
-        alignas(64) float w[NB * SLICE];
-        alignas(64) float acc[MAX_ROWS * NB * ACC];
-#pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += NB) columns(x, M, K, n0, N, dequant_row, bias, y, w, acc);
-    }
+// Either path for one call: registers for up to 2 rows where AVX2 is built, slices otherwise.
+template <typename Format>
+void run(const float* xp, int64_t M, int64_t K, int64_t N, const float* bias, float* y, int nthreads, const Format& f) {
+#ifdef SPECVIZ_AVX2
+    if (M <= 2) return small_matmul(xp, M, K, N, bias, y, nthreads, f);
+#endif
+    matmul(xp, M, K, N, bias, y, nthreads, f);
 }
 
 }  // namespace
@@ -282,13 +277,7 @@ void specviz_q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, c
                        int64_t N, const float* bias, float* y, int nthreads) {
     std::vector<float> xp(M * K);
     permute_rows(x, M, K, Q4_BLOCK, Q4_PER_LANE, xp.data());
-    const int64_t groups = K / 32;
-#ifdef SPECVIZ_AVX2
-    if (M <= 2) return small_matmul(xp.data(), M, K, N, bias, y, nthreads, Q4Format{q, scale, minv, K});
-#endif
-    matmul(xp.data(), M, K, N, bias, y, nthreads, [&](int64_t n, int64_t k0, int64_t len, float* w) {
-        dequant_q4(q + n * K / 2, scale + n * groups, minv + n * groups, k0, len, w);
-    });
+    run(xp.data(), M, K, N, bias, y, nthreads, Q4Format{q, scale, minv, K});
 }
 
 // x [M, K] fp32, q [N, K] int8, scale [N, K/group] fp32 (group 16 or 32), bias [N] or null, y [M, N] fp32.
@@ -297,19 +286,8 @@ void specviz_q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, co
                        int64_t N, const float* bias, float* y, int nthreads) {
     std::vector<float> xp(M * K);
     permute_rows(x, M, K, Q8_BLOCK, Q8_PER_LANE, xp.data());
-    const int64_t groups = K / group;
-#ifdef SPECVIZ_AVX2
-    if (M <= 2 && group == 16) return small_matmul(xp.data(), M, K, N, bias, y, nthreads, Q8Format<16>{q, scale, K});
-    if (M <= 2) return small_matmul(xp.data(), M, K, N, bias, y, nthreads, Q8Format<32>{q, scale, K});
-#endif
-    if (group == 16)
-        matmul(xp.data(), M, K, N, bias, y, nthreads, [&](int64_t n, int64_t k0, int64_t len, float* w) {
-            dequant_q8<16>(q + n * K, scale + n * groups, k0, len, w);
-        });
-    else
-        matmul(xp.data(), M, K, N, bias, y, nthreads, [&](int64_t n, int64_t k0, int64_t len, float* w) {
-            dequant_q8<32>(q + n * K, scale + n * groups, k0, len, w);
-        });
+    if (group == 16) run(xp.data(), M, K, N, bias, y, nthreads, Q8Format<16>{q, scale, K});
+    else run(xp.data(), M, K, N, bias, y, nthreads, Q8Format<32>{q, scale, K});
 }
 
 // The dense fp32 weight out [N, K] in natural order (to check the packing; BLAS never needs it).

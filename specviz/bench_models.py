@@ -7,23 +7,16 @@ repeat sees the same cache. Warm-up first, then the median of `repeat` calls per
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
+from torch import nn
 
+from .bench import _median_us
+from .packed import PackedLinear
 from .text import CausalLMDecoder
 
-
-def _median_s(fn, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear  # the int8 draft's layers (specviz.quant)
 
 
 @torch.inference_mode()
@@ -42,40 +35,30 @@ def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: 
         def step(m=m):
             decoder.forward([feed[:m]], m)
             decoder.rollback([fed])
-        rows.append({"tokens": m, "seconds": _median_s(step, warmup, repeat)})
+        rows.append({"tokens": m, "seconds": _median_us(step, warmup, repeat) / 1e6})
     base = next((r["seconds"] for r in rows if r["tokens"] == 1), rows[0]["seconds"])
     for r in rows:
         r["ratio"] = r["seconds"] / base
     return {"prefill_s": prefill_s, "prompt_tokens": len(prompt), "steps": rows}
 
 
+def _linears(model) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (PackedLinear, nn.Linear, _INT8_LINEAR))]
+
+
 def weight_bytes(model) -> int:
     """Bytes of linear-layer weights one step reads (packed blocks and scales, or dense/int8 tensors)."""
-    from torch import nn
-
-    from .packed import PackedLinear
-
     total = 0
-    for m in model.modules():
+    for m in _linears(model):
         if isinstance(m, PackedLinear):
             total += m.packed().nbytes
-        elif isinstance(m, nn.Linear):
-            total += m.weight.numel() * m.weight.element_size()
-        elif type(m).__name__ == "Linear" and hasattr(m, "weight") and callable(m.weight):  # dynamic int8
+        elif isinstance(m, _INT8_LINEAR):
             total += m.weight().numel()
+        else:
+            total += m.weight.numel() * m.weight.element_size()
     return total
 
 
 def linear_params(model) -> int:
     """Multiply-adds per token in linear layers (the output head counted once per scored token)."""
-    from torch import nn
-
-    from .packed import PackedLinear
-
-    total = 0
-    for m in model.modules():
-        if isinstance(m, (PackedLinear, nn.Linear)):
-            total += m.in_features * m.out_features
-        elif type(m).__name__ == "Linear" and hasattr(m, "in_features"):
-            total += m.in_features * m.out_features
-    return total
+    return sum(m.in_features * m.out_features for m in _linears(model))

@@ -1,13 +1,14 @@
 """A model whose linear layers read their GGUF weights in packed form (specviz.gguf_pack) on the CPU.
 
 Decoding on a CPU is bound by reading weights: the dequantized fp32 target reads 6.2 GB per step, its
-Q4_K_M blocks hold 0.9 GB. `pack_model` swaps every nn.Linear of a transformers model loaded from a GGUF
-file for a PackedLinear that multiplies straight from the blocks (kernels/qmatmul_cpu.cpp); norms,
+Q4_K_M blocks hold 0.9 GB. `pack_gguf` packs (and checks) a GGUF file's blocks for every nn.Linear of a
+transformers model loaded from it, and `apply_packed` swaps those layers for PackedLinear, which multiplies
+straight from the blocks (kernels/qmatmul_cpu.cpp); norms,
 embeddings, attention and biases stay as they were, in fp32.
 
 Contract — the same target, batch-invariant:
 - Each packed weight is checked against the dense weight transformers dequantized from the same file before
-  it is used (equal up to the last fp32 rounding), so the packed target and `--dtype fp32` are one model.
+  it is used (equal up to the last fp32 rounding), so the packed target and `--weights dense` are one model.
 - A position's logits do not depend on what else is scored in the same call: activations are never
   quantized (no per-call scales), and the kernel computes every output row with the same operations in the
   same order whatever the number of rows (bitwise; tested), prefill included.

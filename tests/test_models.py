@@ -90,3 +90,10 @@ def test_missing_part_package_names_it(monkeypatch):
     spec = EmbeddedGGUF("fake", ("specviz_no_such_part_pkg",), "x.gguf", 1, "0" * 64)
     with pytest.raises(ModelLoadError, match="specviz-no-such-part-pkg"):
         models._part_paths(spec)
+
+
+def test_packed_weights_need_a_gguf_model_and_say_so(saved_dirs):
+    with pytest.raises(ModelLoadError, match="packed weights need a GGUF target model on the CPU in fp32"):
+        load_pair(saved_dirs["draft"], saved_dirs["target"], device="cpu", weights="packed")
+    with pytest.raises(ValueError, match="unknown weights"):
+        load_pair(saved_dirs["draft"], saved_dirs["target"], device="cpu", weights="int3")

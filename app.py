@@ -63,6 +63,8 @@ POLICY_CHOICES = [
     ("hf: +2 after all accepted, −1 otherwise (transformers)", "hf"),
     ("bass: grows when any sequence kept all, shrinks on misses (BASS)", "bass"),
     ("optimal: the γ that maximizes Leviathan's predicted speedup from measured α and c", "optimal"),
+    ("cost: the γ with the best expected tokens/s from this machine's measured call costs; 0 (a plain target "
+     "step) when no γ pays", "cost"),
 ]
 INTRO = ("A small **draft** model proposes a few tokens, the large **target** model checks them all in one pass, and "
          "the **verifier** keeps a prefix so that the output still follows the target's distribution. The sample "

@@ -16,6 +16,7 @@ from .compare import compare, hf_assisted_runs, noise, source_runner
 from .config import (DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range,
                      draft_defaults)
 from .gamma import default_policy
+from .prediction import predict, sentence
 from .models import DEFAULT, WEIGHTS, ModelLoadError, ModelPair, load_pair
 from .prompts import InputError, check_article_size, sample_article
 from .records import Finished, Iteration
@@ -98,7 +99,8 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     v.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                    help=f"sequences decoded together at most (default {DEFAULT_BATCH}); more run in consecutive groups")
     v.add_argument("--gamma-policy", default=None, choices=GAMMA_POLICIES,
-                   help="default: bass when several sequences decode together, else hf")
+                   help="default: bass when several sequences decode together, else hf; cost: the γ with the best expected "
+                        "tokens/s from the measured call costs, 0 (a plain target step) when none pays")
     v.add_argument("--gamma", type=int, default=None, help="initial γ (default: the policy's own)")
     v.add_argument("--lenience", type=float, default=1.0, help="Leviathan A.5; 1 = exact")
     v.add_argument("--verify-backend", default="auto", choices=["auto", "torch", "cuda"],
@@ -196,6 +198,9 @@ def _print_result(trace) -> None:
     print()
     for key, value in trace.summary().items():
         print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
+    if (p := predict(trace)) is not None:
+        print(f"  {'predicted_speedup':32s} {p.speedup:.4g}  (from the measured call costs; a prediction)")
+        print(f"\n{sentence(p)}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

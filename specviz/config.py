@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 MODES = ("baseline", "exact", "sigmoid")
 DRAFT_KINDS = ("model", "lookup", "lookup+model")  # see specviz.drafts
-GAMMA_POLICIES = ("constant", "hf", "bass", "optimal")
+GAMMA_POLICIES = ("constant", "hf", "bass", "optimal", "cost")
 MAX_EXPLAIN_TOP = 100  # bounds the trace's size (specviz.explain)
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Protocol, TypeVar
 import torch
 
 from .config import SpecConfig
+from .cost import CALIBRATION_TOKENS, CostModel, calibrate
 from .gamma import Feedback, make_policy
 from .drafts import lookup, one_hot_logits
 from .explain import examine
@@ -324,7 +325,8 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
             raise ValueError(f"the prompt of {spec.label} is empty")
     clock = Stopwatch(source.device)
     generator = torch.Generator(device=source.device).manual_seed(cfg.seed)
-    policy = make_policy(cfg.gamma_policy, cfg.gamma_init)
+    costs = CostModel()  # this run's measurements: the driver writes them, the cost-aware policy reads them
+    policy = make_policy(cfg.gamma_policy, cfg.gamma_init, costs)
     start = clock.now()
     steps = 0
     for group in _chunks(len(source.sequences), batch_size):
@@ -339,12 +341,52 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
         if target_only:
             loop = _target_only(rows, target, cfg, source.vocab, generator, clock, start, steps)
         else:
-            loop = _speculate(rows, draft, target, cfg, source.vocab, generator, policy, clock, start, steps)
+            # measuring what calls cost serves the policy and the page's prediction, not decoding: off the clock
+            clock.paused(lambda: _calibrate(costs, source, rows, draft, target, cfg))
+            loop = _speculate(rows, draft, target, cfg, source.vocab, generator, policy, costs, clock, start, steps)
         for event in loop:
             if isinstance(event, Iteration):
                 steps += 1
             yield event
-    yield Completed(clock.now() - start)
+    yield Completed(clock.now() - start, None if target_only else costs.to_dict())
+
+
+# What identifies a cost curve besides the machine: the models, their weights and where they run.
+_COST_IDENTITY = ("task", "draft", "target", "device", "dtype", "draft_vocab_size", "draft_weights", "target_weights")
+
+
+def _calibrate(costs: CostModel, source: Source, rows: list[Row], draft: SlottedDecoder | None,
+               target: SlottedDecoder, cfg: SpecConfig) -> None:
+    """Time target calls over CALIBRATION_TOKENS tokens per row, a plain step and a draft forward on the
+    group's own caches, each rolled back (or read from the cache file of an earlier run)."""
+    meta = source.meta()
+    identity = {k: meta.get(k) for k in _COST_IDENTITY}
+    width = CALIBRATION_TOKENS[-1]
+    feeds = [(r.tokens[-1:] + r.tokens * width)[:width] for r in rows]  # real tokens: ordinary attention
+    target_fed = [target.fed(i) for i in range(len(rows))]
+    own = torch.Generator(device=source.device).manual_seed(0)  # the run's generator stays untouched
+
+    def target_step(m: int) -> None:
+        target.forward([f[:m] for f in feeds], m)
+        target.rollback(target_fed)
+
+    def plain_step() -> None:
+        z = target.forward([f[:1] for f in feeds], 1)[:, 0]  # [B, V]
+        draw(z, cfg.sampling, own)
+        target.rollback(target_fed)
+
+    draft_step = None
+    if draft is not None:
+        draft_fed = [draft.fed(i) for i in range(len(rows))]
+
+        def draft_step() -> None:
+            draft.forward([f[:1] for f in feeds], 1)
+            draft.rollback(draft_fed)
+
+    calibrate(costs, identity, len(rows), target_step, draft_step, plain_step)
+    target.take_counts()  # calibration tokens are not the run's
+    if draft is not None:
+        draft.take_counts()
 
 
 def _limit(tokens: list[int], budget: int, eos: frozenset[int]) -> tuple[list[int], bool]:
@@ -430,11 +472,27 @@ def _left_aligned(logits: torch.Tensor, counts: list[int], width: int) -> torch.
 
 
 def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDecoder, cfg: SpecConfig,
-               vocab: Vocabulary, generator: torch.Generator, policy, clock: Stopwatch, start: float, first_index: int) -> Iterator[Event]:
+               vocab: Vocabulary, generator: torch.Generator, policy, costs: CostModel, clock: Stopwatch, start: float,
+               first_index: int) -> Iterator[Event]:
     index = first_index
+    previous_end = clock.now() - start
     while rows:
-        gamma = max(1, policy.current())
+        gamma = policy.current()
+        if gamma == 0:  # a plain target step: nothing is expected to beat it
+            t0 = clock.now()
+            decisions, finished = _plain_step(rows, target, cfg, vocab, generator, index)
+            t1 = clock.now()
+            policy.update(Feedback(0, [0] * len(rows), [0] * len(rows), {r.sequence: [] for r in rows}, 0.0, t1 - t0))
+            step = _step(index, 0, rows, (draft, target), 0.0, t1 - t0, 0.0, clock.now() - start)
+            costs.observe(len(rows), 0, 1, 0, 0.0, t1 - t0, 0.0, 0.0, False)
+            yield Iteration(step, decisions)
+            index += 1
+            previous_end = step.end_s
+            rows = yield from _leave(rows, finished, (draft, target), clock, start)
+            continue
         caps = [max(1, min(gamma, r.remaining)) for r in rows]
+        # a draft that sat out plain steps first feeds what it missed: that forward is not a step's cost
+        caught_up = draft is not None and max(len(r.tokens) - draft.fed(i) for i, r in enumerate(rows)) > 2
         t0 = clock.now()
         drafts, draft_logits, drafted_by = _propose(rows, draft, caps, cfg, vocab, target.device, generator)
         lengths = [len(d) for d in drafts]
@@ -485,12 +543,16 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
             draft.rollback(draft_keep)
         policy.update(Feedback(
             gamma, lengths, host.n_accepted,
-            [a for dec in decisions for a, o in zip(dec.accept_prob, dec.outcome) if o != DISCARDED],
+            {dec.sequence: [a for a, o in zip(dec.accept_prob, dec.outcome) if o != DISCARDED] for dec in decisions},
             t1 - t0, t2 - t1,
         ))
-        yield Iteration(_step(index, gamma, rows, (draft, target), t1 - t0, t2 - t1, t3 - t2, clock.now() - start,
-                              explain_s), decisions)
+        step = _step(index, gamma, rows, (draft, target), t1 - t0, t2 - t1, t3 - t2, clock.now() - start, explain_s)
+        modelled = [g for g, by in zip(lengths, drafted_by) if by == MODEL]
+        costs.observe(len(rows), gamma, widest + 1, max(modelled, default=0), t1 - t0, t2 - t1, t3 - t2,
+                      step.end_s - previous_end - (t3 - t0), caught_up)
+        yield Iteration(step, decisions)
         index += 1
+        previous_end = step.end_s
         rows = yield from _leave(rows, finished, (draft, target), clock, start)
 
 
@@ -530,19 +592,27 @@ def _target_only(rows: list[Row], target: SlottedDecoder, cfg: SpecConfig, vocab
     index = first_index
     while rows:
         t0 = clock.now()
-        z = target.forward([r.tokens[target.fed(i):] for i, r in enumerate(rows)], 1)[:, 0]  # [B, V]
-        check_logits(z, "target")
-        tokens = draw(z, cfg.sampling, generator).tolist()
+        decisions, finished = _plain_step(rows, target, cfg, vocab, generator, index)
         t1 = clock.now()
-        decisions, finished = [], []
-        for row, x in zip(rows, tokens):
-            row.tokens.append(x)
-            row.remaining -= 1
-            decisions.append(Decision(step=index, sequence=row.sequence, gamma=0, draft_ids=[], draft_text=[], q=[],
-                                      p=[], accept_prob=[], uniform=[], outcome=[], n_accepted=0, next_id=x,
-                                      next_text=vocab.decode([x]), next_kind=TARGET, emitted=1))
-            if x in vocab.eos or row.remaining == 0:
-                finished.append((row.sequence, "eos" if x in vocab.eos else "length"))
         yield Iteration(_step(index, 0, rows, (None, target), 0.0, t1 - t0, 0.0, clock.now() - start), decisions)
         index += 1
         rows = yield from _leave(rows, finished, (None, target), clock, start)
+
+
+def _plain_step(rows: list[Row], target: SlottedDecoder, cfg: SpecConfig, vocab: Vocabulary,
+                generator: torch.Generator, index: int) -> tuple[list[Decision], list[tuple[int, str]]]:
+    """One target forward per row and one token drawn from it: target-only decoding's step, and a
+    speculative run's γ = 0 step (the draft's cache catches up when it next drafts)."""
+    z = target.forward([r.tokens[target.fed(i):] for i, r in enumerate(rows)], 1)[:, 0]  # [B, V]
+    check_logits(z, "target")
+    tokens = draw(z, cfg.sampling, generator).tolist()
+    decisions, finished = [], []
+    for row, x in zip(rows, tokens):
+        row.tokens.append(x)
+        row.remaining -= 1
+        decisions.append(Decision(step=index, sequence=row.sequence, gamma=0, draft_ids=[], draft_text=[], q=[],
+                                  p=[], accept_prob=[], uniform=[], outcome=[], n_accepted=0, next_id=x,
+                                  next_text=vocab.decode([x]), next_kind=TARGET, emitted=1))
+        if x in vocab.eos or row.remaining == 0:
+            finished.append((row.sequence, "eos" if x in vocab.eos else "length"))
+    return decisions, finished

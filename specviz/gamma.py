@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from . import theory
+from .cost import MAX_GAMMA, CostModel, RunningAcceptance, best_gamma, expected_speedup
 
 
 @dataclass(frozen=True)
 class Feedback:
     """What one iteration tells a policy."""
 
-    gamma: int  # the policy's γ for this iteration
+    gamma: int  # the policy's γ for this iteration (0: a plain target step, nothing drafted)
     drafted: Sequence[int]  # tokens each sequence drafted (≤ γ: a confidence stop or the token limit ends some early)
     n_accepted: Sequence[int]  # one count per sequence in the batch
-    accept_probs: Sequence[float]  # min(1, p/q) at the drafted tokens examined (up to the first rejection)
+    # sequence → min(1, p/q) at its drafted tokens examined (up to the first rejection), in position order
+    examined: Mapping[int, Sequence[float]]
     draft_s: float  # time spent drafting (max(drafted) batched draft forwards)
     target_s: float  # time of the one target forward that scored them
+
+    @property
+    def accept_probs(self) -> list[float]:
+        """Every examined draft's min(1, p/q), all sequences together."""
+        return [a for probs in self.examined.values() for a in probs]
 
 
 def _any_accepted_all(fb: Feedback) -> bool:
@@ -122,7 +129,53 @@ class Optimal:
         self.gamma = theory.optimal_gamma(alpha, self.c, self.max_gamma)
 
 
-_POLICIES = {"constant": Constant, "hf": HFHeuristic, "bass": BASS, "optimal": Optimal}
+class CostAware:
+    """Each iteration, the γ with the highest expected tokens per second (specviz.cost): the measured cost
+    of every call (the target's by the tokens it scores, the draft's step, verification) against the
+    expected tokens from α by draft position, per sequence of the batch. γ = 0, a plain target step, when
+    no γ is expected to beat it.
+
+    Plain steps teach it nothing about the draft, so while it decides γ = 0 it drafts again now and then
+    (after 4, 8, 16, then every 32 plain steps): a probe costs a fraction of one step, and a draft that got
+    better on an easier stretch of text is found again."""
+
+    name = "cost"
+    PROBE_FIRST, PROBE_MAX = 4, 32
+
+    def __init__(self, gamma: int = 4, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
+        # costs: the run's measurements, written by the driver after each iteration and read here, in the
+        # driver's thread; without any, the policy keeps its γ until the first measurements arrive
+        self.gamma, self.costs, self.max_gamma = gamma, costs, max_gamma
+        self.acceptance = RunningAcceptance()
+        self.plain_run = 0  # consecutive γ = 0 decisions
+        self.probe_after = self.PROBE_FIRST
+        self.expected = None  # (γ, expected speedup) of the last decision, for the page and tests
+
+    def current(self) -> int:
+        return self.gamma
+
+    def update(self, fb: Feedback) -> None:
+        self.acceptance.add(fb.examined)
+        if self.costs is None or not self.costs.ready:
+            return
+        rows = sorted(fb.examined) or [None]
+        alphas = [self.acceptance.alphas(seq if len(rows) > 1 else None, self.max_gamma) for seq in rows]
+        gamma, speedup = best_gamma(self.costs, len(rows), alphas, self.max_gamma)
+        self.expected = (gamma, speedup)
+        if gamma > 0:
+            self.gamma, self.plain_run, self.probe_after = gamma, 0, self.PROBE_FIRST
+            return
+        if fb.gamma == 0:
+            self.plain_run += 1
+        if self.plain_run >= self.probe_after:
+            self.gamma = max(range(1, self.max_gamma + 1),
+                             key=lambda g: expected_speedup(self.costs, len(rows), g, alphas))
+            self.plain_run, self.probe_after = 0, min(2 * self.probe_after, self.PROBE_MAX)
+        else:
+            self.gamma = 0
+
+
+_POLICIES = {"constant": Constant, "hf": HFHeuristic, "bass": BASS, "optimal": Optimal, "cost": CostAware}
 
 
 def default_policy(batch: int) -> str:
@@ -130,7 +183,9 @@ def default_policy(batch: int) -> str:
     return "bass" if batch > 1 else "hf"
 
 
-def make_policy(name: str, initial: int | None = None):
-    """A fresh policy; `initial` overrides its starting γ (hf/constant/optimal: 5, bass: 7)."""
+def make_policy(name: str, initial: int | None = None, costs: CostModel | None = None):
+    """A fresh policy; `initial` overrides its starting γ (hf/constant/optimal: 5, bass: 7, cost: 4); the
+    cost-aware policy reads the run's measured costs."""
     cls = _POLICIES[name]
-    return cls() if initial is None else cls(initial)
+    kwargs = {"costs": costs} if cls is CostAware else {}
+    return cls(**kwargs) if initial is None else cls(initial, **kwargs)

@@ -120,6 +120,9 @@ class Finished:
 @dataclass(frozen=True)
 class Completed:
     total_s: float  # wall time of the whole run, prefill included
+    # What the run measured of each call's cost (specviz.cost.CostModel.to_dict); None for target-only runs.
+    # A fresh dict no one else holds.
+    costs: dict | None = None
 
 
 Event = Prefilled | Iteration | Finished | Completed

@@ -8,6 +8,7 @@ import html
 import time
 from typing import Any
 
+from .prediction import predict, sentence
 from .trace import Trace, json_number
 
 # sigmoid is called far from exact when its acceptance exceeds exact's on the same draws by more than this
@@ -61,6 +62,21 @@ def _speedup_line(trace: Trace) -> str:
             f"Compare repeats runs and shows their spread")
 
 
+def prediction_markdown(trace: Trace) -> str:
+    """The predicted speedup from the run's measured costs, where an iteration's time went, and why."""
+    p = predict(trace)
+    if p is None:
+        return ""
+    ms = {k: 1e3 * v for k, v in p.split_s.items()}
+    rows = f" (batch of {p.batch})" if p.batch > 1 else ""
+    return (f"**Predicted: {p.speedup:.2f}×** from this run's measured call costs and α by draft position (a "
+            f"prediction, beside the measurement above) · a drafting iteration{rows} at γ = {p.gamma}: draft "
+            f"{ms['draft']:.0f} ms + target {ms['target']:.0f} ms + verify {ms['verify']:.1f} ms + other "
+            f"{ms['other']:.1f} ms, against {1e3 * p.plain_s:.0f} ms per target-only step · tokens per "
+            f"iteration: {p.measured_tokens_per_iteration:.2f} kept, {p.tokens_per_iteration:.2f} predicted  \n"
+            f"{html.escape(sentence(p))}")
+
+
 def summary_markdown(trace: Trace) -> str:
     s = trace.summary()
     lines = []
@@ -72,6 +88,8 @@ def summary_markdown(trace: Trace) -> str:
                  f"decoding {s['decode_s']:.2f} s → **{s['decode_tokens_per_s']:.2f} tokens/s decoding** "
                  f"({s['tokens_per_s']:.2f} tokens/s with prefill) · {s['target_forward_passes']} target forward passes")
     if line := _speedup_line(trace):
+        lines.append(line)
+    if line := prediction_markdown(trace):
         lines.append(line)
     if s["sequences"] > 1:
         line = (f"{s['sequences']} sequences, batch of {trace.batch_size} · {s['tokens_per_s_per_sequence']:.2f} tokens/s "

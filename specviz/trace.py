@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from . import theory
 from .config import MAX_EXPLAIN_TOP
+from .cost import CostModel
 from .records import (ACCEPTED, BONUS, DISCARDED, DRAFTERS, FINISH_REASONS, LOOKUP, MODEL, NEXT_KINDS, OUTCOMES, REJECTED,
                       TARGET, Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, StepRecord, TopTokens)
 
@@ -121,15 +122,32 @@ class Trace:
         """Batched target forwards: one per iteration plus one prefill per group of sequences."""
         return len(self.steps) + self.prefill_passes
 
-    def alpha_estimate(self) -> float | None:
+    def alpha_estimate(self, sequence: int | None = None) -> float | None:
         """Mean of min(1, p/q) over the drafted tokens verification examined (up to the first rejection).
 
         Each is the chance that its context accepts a draft sample, so the mean estimates α = 1 - D_LK
         (Leviathan §3) as seen along the decoded text; tokens drafted after a rejection are left out
-        because their contexts never occur in the output.
+        because their contexts never occur in the output. `sequence`: that sequence's drafts only.
         """
-        probs = [a for d in self.drafted() for a, o in zip(d.accept_prob, d.outcome) if o != DISCARDED]
+        probs = [a for d in self.drafted() if sequence is None or d.sequence == sequence
+                 for a, o in zip(d.accept_prob, d.outcome) if o != DISCARDED]
         return sum(probs) / len(probs) if probs else None
+
+    def alpha_by_position(self) -> list[float]:
+        """α at draft position k (0-based): the mean of min(1, p/q) over the drafts examined there, i.e. the
+        chance of passing k once 0..k-1 passed. Ends at the last position any draft was examined."""
+        sums: list[float] = []
+        counts: list[int] = []
+        for d in self.drafted():
+            for k, (a, o) in enumerate(zip(d.accept_prob, d.outcome)):
+                if o == DISCARDED:
+                    break
+                if k == len(sums):
+                    sums.append(0.0)
+                    counts.append(0)
+                sums[k] += a
+                counts[k] += 1
+        return [s / n for s, n in zip(sums, counts)]
 
     def acceptance_rate(self) -> float | None:
         drafted = self.drafted()
@@ -335,6 +353,8 @@ class TraceBuilder:
             seq.finish, seq.finished_s = event.reason, event.at_s
         elif isinstance(event, Completed):
             trace.total_s = event.total_s
+            if event.costs is not None:
+                trace.meta["costs"] = event.costs
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -561,7 +581,8 @@ def _from_v1(d: dict) -> Trace:
 # meta fields that the figures and the summary read, and the JSON types they must have when present
 _META_TYPES = {"mode": (str,), "task": (str,), "config": (dict,), "prompt_text": (str,), "wer": (int, float),
                "rouge1": (int, float), "batch_size": (int,), "target_only": (dict,), "page_settings": (dict,),
-               "draft_weights": (str,), "target_weights": (str,), "prompts_reused": (int,)}
+               "draft_weights": (str,), "target_weights": (str,), "prompts_reused": (int,),
+               "costs": (dict,)}
 
 
 def _numbers(node, path: str):
@@ -603,6 +624,11 @@ def _check_consistent(trace: Trace) -> None:
         if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
             raise TraceFormatError(f"malformed trace: meta.{key} should be {' or '.join(t.__name__ for t in types)}, "
                                    f"got {_json_name(value)}")
+    if "costs" in trace.meta:
+        try:
+            CostModel.from_dict(trace.meta["costs"])
+        except ValueError as e:
+            raise TraceFormatError(f"malformed trace: meta.costs: {e}") from None
     policy = trace.meta.get("config", {}).get("gamma_policy")
     if policy is not None and not isinstance(policy, str):
         raise TraceFormatError(f"malformed trace: meta.config.gamma_policy should be a string, got {_json_name(policy)}")

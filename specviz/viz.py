@@ -19,6 +19,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from . import theory
+from .cost import CostModel, expected_speedup
+from .prediction import predict
 from .records import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, TARGET, Decision, Examined, TopTokens
 from .trace import Trace, json_number
 
@@ -489,9 +491,10 @@ def acceptance_figure(trace: Trace, upto: int | None = None) -> go.Figure:
     """Acceptance rate and running α per iteration; P(accept) by draft position; measured vs predicted tokens."""
     trace = _replay(trace, upto)
     rows = [(step, ds) for step, ds in _steps_with(trace) if ds]
-    fig = make_subplots(rows=2, cols=2, specs=[[{"colspan": 2}, None], [{}, {}]], vertical_spacing=0.3,
+    fig = make_subplots(rows=3, cols=2, specs=[[{"colspan": 2}, None], [{}, {}], [{}, {}]], vertical_spacing=0.16,
                         horizontal_spacing=0.2,
-                        subplot_titles=("per iteration", "by draft position", "tokens per iteration"))
+                        subplot_titles=("per iteration", "by draft position", "tokens per iteration",
+                                        "drafts accepted per iteration", "by sequence"))
     x = [step.index for step, _ in rows]
     fig.add_trace(go.Scatter(x=x, y=[sum(d.n_accepted for d in ds) / max(1, sum(d.gamma for d in ds)) for _, ds in rows],
                              mode="markers", name="acceptance rate", marker_color=COLORS[ACCEPTED],
@@ -513,13 +516,45 @@ def acceptance_figure(trace: Trace, upto: int | None = None) -> go.Figure:
                              name="measured tokens", marker_color=COLORS[RESAMPLED]), 2, 2)
     fig.add_trace(go.Scatter(x=x, y=[sum(theory.expected_tokens(alpha, d.gamma) for d in ds) / len(ds) for _, ds in rows],
                              mode="lines", name=f"predicted (Leviathan, α = {alpha:.2f})", line_color="#24292f"), 2, 2)
+    _per_sequence(fig, trace)
     fig.update_yaxes(range=[0, 1.05], title="share of drafts", row=1, col=1)
     fig.update_yaxes(range=[0, 1.05], title="probability", row=2, col=1)
     fig.update_yaxes(title="tokens per iteration", rangemode="tozero", row=2, col=2)
     fig.update_xaxes(title="iteration", row=1, col=1)
     fig.update_xaxes(title="draft position", row=2, col=1)
     fig.update_xaxes(title="iteration", row=2, col=2)
-    return _layout(fig, f"acceptance<br><sup>{_ALPHA_NOTE}</sup>", height=580, top=105)
+    return _layout(fig, f"acceptance<br><sup>{_ALPHA_NOTE}</sup>", height=820, top=105)
+
+
+def _per_sequence(fig: go.Figure, trace: Trace) -> None:
+    """Row 3: how many drafts each iteration kept (0 … γ), a histogram per sequence, and each sequence's own
+    acceptance rate and α (a batch's token-averaged rate hides a sequence whose draft fails)."""
+    drafted = trace.drafted()
+    if not drafted:
+        return
+    sequences = sorted({d.sequence for d in drafted})
+    top = max(d.gamma for d in drafted)
+    many = len(sequences) > 1
+    for i in sequences:
+        mine = [d for d in drafted if d.sequence == i]
+        counts = [sum(d.n_accepted == k for d in mine) for k in range(top + 1)]
+        name = f"sequence {i + 1}" if many else "iterations"
+        fig.add_trace(go.Bar(x=list(range(top + 1)), y=counts, name=name, legendgroup=f"s{i}", showlegend=many,
+                             hovertemplate=f"{name}: %{{y}} iterations kept %{{x}} drafts<extra></extra>"), 3, 1)
+    rates, alphas = [], []
+    for i in sequences:
+        mine = [d for d in drafted if d.sequence == i]
+        rates.append(sum(d.n_accepted for d in mine) / max(1, sum(d.gamma for d in mine)))
+        alphas.append(trace.alpha_estimate(i))
+    labels = [f"seq {i + 1}" for i in sequences]
+    fig.add_trace(go.Bar(x=labels, y=rates, name="acceptance rate (accepted / drafted)", marker_color=COLORS[ACCEPTED],
+                         hovertemplate="%{x}: accepted / drafted = %{y:.2f}<extra></extra>"), 3, 2)
+    fig.add_trace(go.Scatter(x=labels, y=alphas, mode="markers", name="α of the sequence", marker_color="#24292f",
+                             hovertemplate="%{x}: α = %{y:.3f}<extra></extra>"), 3, 2)
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(title="drafts accepted", dtick=1, row=3, col=1)
+    fig.update_yaxes(title="iterations", rangemode="tozero", row=3, col=1)
+    fig.update_yaxes(range=[0, 1.05], title="per sequence", row=3, col=2)
 
 
 def timing_figure(trace: Trace, upto: int | None = None) -> go.Figure:
@@ -642,6 +677,26 @@ def compare_figure(rows: list[dict]) -> go.Figure:
                    height=260 + 56 * max(1, len(rows)), top=80)
 
 
+def _measured_cost_curve(fig: go.Figure, trace: Trace, alphas: list[float], alpha: float) -> None:
+    """Beside Leviathan's flat-cost curves: the speedup vs α on this run's measured costs at its most common
+    γ (a target call's price grows with the tokens it scores), and what those costs predict for the run."""
+    p = predict(trace)
+    if p is None:
+        return
+    costs = CostModel.from_dict(trace.meta["costs"])  # predict() accepted it
+    rows = p.batch
+    fig.add_trace(go.Scatter(
+        x=alphas, y=[expected_speedup(costs, rows, p.gamma, [[a]] * rows) for a in alphas], mode="lines",
+        name=f"measured costs, γ={p.gamma}", line=dict(color=MEASURED_COLOR, dash="dash", width=2),
+        hovertemplate=f"γ = {p.gamma} on this machine's measured call costs: α = %{{x:.2f}} → %{{y:.2f}}×"
+                      "<extra></extra>"), 1, 2)
+    fig.add_trace(go.Scatter(
+        x=[alpha], y=[p.speedup], mode="markers", name="predicted from measured costs",
+        marker=dict(size=12, symbol="triangle-up", color=MEASURED_COLOR),
+        hovertemplate="predicted %{y:.2f}× from the measured call costs and α by draft position<extra></extra>"),
+        1, 2)
+
+
 def theory_figure(trace: Trace, upto: int | None = None, measured_speedup: float | None = None) -> go.Figure:
     """Leviathan's curves (E[tokens per iteration] and the walltime factor vs α, one colour per γ) with what
     they predict for this run's α, γ and c, and the speedup measured against target-only when given."""
@@ -669,6 +724,7 @@ def theory_figure(trace: Trace, upto: int | None = None, measured_speedup: float
                                  legendgroup="predicted", showlegend=False, name="predicted from this run's α and c",
                                  hovertemplate=f"predicted speedup %{{y:.2f}}× (α = {alpha:.2f}, "
                                                f"mean γ = {mean_gamma:.1f}, c = {c:.2f})<extra></extra>"), 1, 2)
+        _measured_cost_curve(fig, trace, alphas, alpha)
         if measured_speedup is not None:
             fig.add_trace(go.Scatter(x=[alpha], y=[measured_speedup], mode="markers", name="measured (vs target-only)",
                                      marker=dict(size=12, symbol="diamond", color=MEASURED_COLOR,

@@ -9,7 +9,7 @@ from specviz.gamma import BASS, Constant, Feedback, HFHeuristic, Optimal, defaul
 
 
 def fb(gamma: int, accepted: list[int], probs=(0.5,), draft_s=0.1, target_s=1.0, drafted=None) -> Feedback:
-    return Feedback(gamma, drafted or [gamma] * len(accepted), accepted, list(probs), draft_s, target_s)
+    return Feedback(gamma, drafted or [gamma] * len(accepted), accepted, {0: list(probs)}, draft_s, target_s)
 
 
 def test_constant_never_moves():
@@ -54,7 +54,7 @@ def test_optimal_picks_leviathan_argmax_from_running_estimates():
     p = Optimal()
     assert p.current() == 5
     # α ≈ 0.8, c = (0.2 s / 4 tokens) / (1.0 s / 1 forward) = 0.05
-    p.update(Feedback(4, [4], [2], [0.9, 0.7, 0.8], 0.2, 1.0))
+    p.update(Feedback(4, [4], [2], {0: [0.9, 0.7, 0.8]}, 0.2, 1.0))
     assert p.alpha == pytest.approx(0.8)
     assert p.c == pytest.approx(0.05)
     best = max(range(1, 33), key=lambda g: theory.walltime_factor(0.8, g, 0.05))
@@ -62,7 +62,7 @@ def test_optimal_picks_leviathan_argmax_from_running_estimates():
     assert theory.walltime_factor(0.8, best, 0.05) >= theory.walltime_factor(0.8, best + 1, 0.05)
     # a draft as slow as the target makes speculation pointless: γ falls to 1
     p2 = Optimal()
-    p2.update(Feedback(4, [4], [0], [0.1], 4.0, 1.0))
+    p2.update(Feedback(4, [4], [0], {0: [0.1]}, 4.0, 1.0))
     assert p2.current() == 1
 
 

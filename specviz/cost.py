@@ -1,0 +1,400 @@
+"""What an iteration costs here, measured, and what each γ is expected to buy (Leviathan et al. §3 with a
+measured cost curve in place of their flat one).
+
+Leviathan's speedup E[tokens] / (γc + 1) assumes a target call costs the same whatever the number of
+tokens it scores. On a CPU it does not (8 tokens cost ~2.5× one on the embedded pair), so the expected
+speedup of γ for a batch of B rows is
+
+    Σ_rows E_r[tokens | γ] · T_plain(B) / B  /  (γ · T_draft(B) + T_target(B, γ + 1) + T_verify + T_other)
+
+with T_plain(B) = T_target(B, 1) plus drawing the token: one step of target-only decoding, and γ = 0 a
+plain target step (speedup 1 by definition). E_r comes from the acceptance by draft position
+(`expected_tokens`), not from one α.
+
+The curve is measured: a few calls at the start of a run (`calibrate`, cached on disk per machine, models
+and batch size) and every call of the run after that (`CostModel.observe`), the last RECENT samples per
+point, so it follows the machine's load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .cache import cache_dir
+from .machine import describe as describe_machine
+
+CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row scored in the calibration calls
+CALIBRATION_REPEATS = 2  # timed calls per point (twice as many at one token), after one warm-up
+CALIBRATION_VERSION = 2  # bump when what a calibration measures changes: older cached curves are ignored
+MAX_GAMMA = CALIBRATION_TOKENS[-1] - 1  # beyond the calibrated curve a γ would be priced by extrapolation
+RECENT = 16  # samples kept per point: old enough to smooth noise, recent enough to follow the load
+MAX_POINTS = 4096  # a trace's cost table is refused beyond this many entries (untrusted input)
+
+
+def _median(samples: Sequence[float]) -> float:
+    return statistics.median(samples)
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise-linear through (tokens, seconds) points; linear extrapolation beyond the last two."""
+    xs = sorted(points)
+    if x in points:
+        return points[x]
+    if len(xs) == 1:
+        return points[xs[0]] * x / xs[0]  # one point: cost proportional to tokens, the pessimistic guess
+    lo = max((k for k in xs if k < x), default=None)
+    hi = min((k for k in xs if k > x), default=None)
+    if lo is None:
+        lo, hi = xs[0], xs[1]
+    elif hi is None:
+        lo, hi = xs[-2], xs[-1]
+    slope = (points[hi] - points[lo]) / (hi - lo)
+    return max(points[lo] + slope * (x - lo), 1e-9)
+
+
+class CostModel:
+    """Seconds per part of an iteration, by batch size B and tokens per row M.
+
+    Two sources: the calibration (a whole curve, possibly read from a file written on another day) and
+    the run's own calls. A point the run has called often enough is its own median; any other point is the
+    calibrated curve scaled by the run's level, the median ratio of its calls to the curve, because a
+    machine's speed drifts (load, clocks) while the curve's shape does not.
+
+    Written by the decoding driver after every iteration, read by the cost-aware γ policy, both in the
+    driver's thread (the policy holds a reference, never a copy)."""
+
+    TRUST = 3  # calls of its own after which a point no longer leans on the calibration
+
+    def __init__(self) -> None:
+        self.curve: dict[tuple[int, int], float] = {}  # (B, M) → calibrated seconds of a target forward
+        self.curve_plain: dict[int, float] = {}  # B → calibrated target-only step (forward over 1 token + draw)
+        self.curve_draft: dict[int, float] = {}  # B → calibrated draft forward
+        self.target: dict[tuple[int, int], deque] = {}  # the run's own calls, per point
+        self.plain: dict[int, deque] = {}
+        self.draft: dict[int, deque] = {}
+        self.level: dict[int, deque] = {}  # B → the run's target calls over the calibrated curve
+        self.verify: deque = deque(maxlen=RECENT)
+        self.other: deque = deque(maxlen=RECENT)  # the rest of an iteration: bookkeeping, records
+        self.calibration_s = 0.0
+        self.calibrated_from_cache = False
+
+    # ---- calibration ---------------------------------------------------------------------------
+    def set_target(self, batch: int, tokens: int, seconds: float) -> None:
+        self.curve[(batch, tokens)] = seconds
+
+    def set_plain(self, batch: int, seconds: float) -> None:
+        self.curve_plain[batch] = seconds
+
+    def set_draft(self, batch: int, seconds: float) -> None:
+        self.curve_draft[batch] = seconds
+
+    # ---- the run's calls -----------------------------------------------------------------------
+    @staticmethod
+    def _add(table: dict, key, seconds: float) -> bool:
+        if seconds > 0 and math.isfinite(seconds):
+            table.setdefault(key, deque(maxlen=RECENT)).append(seconds)
+            return True
+        return False
+
+    def observe(self, batch: int, gamma: int, scored: int, draft_forwards: int, draft_s: float, target_s: float,
+                verify_s: float, other_s: float, draft_caught_up: bool) -> None:
+        """One iteration of the run: γ = 0 is a plain step; otherwise the target scored `scored` tokens per
+        row and the draft made `draft_forwards` forwards. A draft that first caught up on many tokens (after
+        plain steps) is not a sample of its step."""
+        if gamma == 0:
+            self._add(self.plain, batch, target_s)
+            return
+        calibrated = self._calibrated(batch)
+        if self._add(self.target, (batch, scored), target_s) and calibrated:
+            self._add(self.level, batch, target_s / _interpolate(calibrated, scored))
+        if draft_forwards and not draft_caught_up:
+            self._add(self.draft, batch, draft_s / draft_forwards)
+        if verify_s > 0:
+            self.verify.append(verify_s)
+        if other_s >= 0:
+            self.other.append(other_s)
+
+    # ---- estimates ---------------------------------------------------------------------------
+    @staticmethod
+    def _nearest(batch: int, batches) -> int | None:
+        return min(batches, key=lambda b: (abs(b - batch), -b), default=None)
+
+    def _calibrated(self, batch: int) -> dict[int, float]:
+        """The calibrated curve of this batch size, else of the nearest calibrated one (rows leave a batch as
+        they finish, so smaller batches appear mid-run; the level then absorbs the difference)."""
+        near = self._nearest(batch, {b for b, _ in self.curve})
+        return {m: s for (b, m), s in self.curve.items() if b == near}
+
+    def target_s(self, batch: int, tokens: int) -> float:
+        """Seconds of a target forward scoring `tokens` per row of a batch of `batch` rows."""
+        own = self.target.get((batch, tokens))
+        if own and len(own) >= self.TRUST:
+            return _median(own)
+        calibrated = self._calibrated(batch)
+        if calibrated:
+            level = _median(self.level[batch]) if self.level.get(batch) else 1.0
+            return _interpolate(calibrated, tokens) * level
+        points = {m: _median(s) for (b, m), s in self.target.items() if b == batch}
+        if not points:
+            raise LookupError("no target call measured yet")
+        return _interpolate(points, tokens)
+
+    def plain_s(self, batch: int) -> float:
+        """Seconds of one target-only step for `batch` rows: its own calls, else the calibrated step's share
+        over a one-token forward times today's one-token forward."""
+        own = self.plain.get(batch)
+        if own and len(own) >= self.TRUST:
+            return _median(own)
+        near = self._nearest(batch, self.curve_plain)
+        if near is not None and (near, 1) in self.curve:
+            return self.curve_plain[near] / self.curve[(near, 1)] * self.target_s(batch, 1)
+        return self.target_s(batch, 1)
+
+    def draft_s(self, batch: int) -> float:
+        """Seconds of one draft forward; 0 when no draft model has run (prompt lookup costs ~nothing)."""
+        if self.draft.get(batch):
+            return _median(self.draft[batch])
+        near = self._nearest(batch, self.curve_draft)
+        if near is not None:
+            return self.curve_draft[near]
+        near = self._nearest(batch, self.draft)
+        return _median(self.draft[near]) if near is not None else 0.0
+
+    def verify_s(self) -> float:
+        return _median(self.verify) if self.verify else 0.0
+
+    def other_s(self) -> float:
+        return _median(self.other) if self.other else 0.0
+
+    def iteration_s(self, batch: int, gamma: int) -> float:
+        """Expected seconds of an iteration drafting γ tokens per row (γ = 0: a plain target step)."""
+        if gamma == 0:
+            return self.plain_s(batch)
+        return gamma * self.draft_s(batch) + self.target_s(batch, gamma + 1) + self.verify_s() + self.other_s()
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.curve) or any(m == 1 for (_, m) in self.target)
+
+    # ---- the trace's copy --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The estimates at every point calibrated or called, with how many of the run's calls each rests on
+        (what a trace keeps; old traces simply lack it)."""
+        batches = sorted({b for b, _ in self.curve} | {b for b, _ in self.target} | set(self.plain))
+        target, plain, draft = [], [], []
+        for b in batches:
+            tokens = sorted(set(self._calibrated(b)) | {m for (bb, m) in self.target if bb == b})
+            target += [[b, m, self.target_s(b, m), len(self.target.get((b, m), ()))] for m in tokens]
+            plain.append([b, self.plain_s(b), len(self.plain.get(b, ()))])
+            if self.draft_s(b) > 0:
+                draft.append([b, self.draft_s(b), len(self.draft.get(b, ()))])
+        return {"target": target, "plain": plain, "draft": draft, "verify_s": self.verify_s(),
+                "other_s": self.other_s(), "calibration_s": self.calibration_s,
+                "calibrated_from_cache": self.calibrated_from_cache}
+
+    @classmethod
+    def from_dict(cls, d: object) -> "CostModel":
+        """A model whose curve is a trace's (or a cache file's) table; ValueError with a message for anything
+        malformed."""
+        if not isinstance(d, dict):
+            raise ValueError("costs must be an object")
+        model = cls()
+
+        def rows(name: str, width: int) -> list[list[float]]:
+            value = d.get(name, [])
+            if not isinstance(value, list) or len(value) > MAX_POINTS:
+                raise ValueError(f"costs.{name} must be a list of at most {MAX_POINTS} entries")
+            for row in value:
+                if not (isinstance(row, list) and len(row) == width and all(_number(x) for x in row)):
+                    raise ValueError(f"costs.{name} entries must be lists of {width} finite numbers")
+                if any(x != int(x) or not 1 <= x <= MAX_POINTS for x in row[:width - 2]) or not 0 < row[-2] < 1e6:
+                    raise ValueError(f"costs.{name} holds a batch, a token count or seconds out of range")
+            return value
+
+        for b, m, s, _ in rows("target", 4):
+            model.set_target(int(b), int(m), float(s))
+        for b, s, _ in rows("plain", 3):
+            model.set_plain(int(b), float(s))
+        for b, s, _ in rows("draft", 3):
+            model.set_draft(int(b), float(s))
+        for name, samples in (("verify_s", model.verify), ("other_s", model.other)):
+            value = d.get(name, 0.0)
+            if not _number(value) or not 0 <= value < 1e6:
+                raise ValueError(f"costs.{name} must be a number of seconds")
+            if value > 0:
+                samples.append(float(value))
+        return model
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# ---- expectations ------------------------------------------------------------------------------
+
+def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
+    """Expected tokens an iteration appends when the draft at position k passes with probability alphas[k]
+    given that every earlier one passed: Σ_{k=0..γ} Π_{j<k} α_j (the last α repeats beyond the list).
+    With one α this is Leviathan's (1 - α^{γ+1}) / (1 - α)."""
+    total, reach = 1.0, 1.0
+    for k in range(gamma):
+        a = alphas[min(k, len(alphas) - 1)] if alphas else 0.0
+        reach *= min(max(a, 0.0), 1.0)
+        total += reach
+    return total
+
+
+def expected_speedup(costs: CostModel, batch: int, gamma: int, alphas_by_row: Sequence[Sequence[float]]) -> float:
+    """Tokens per second with γ over target-only's, for a batch of len(alphas_by_row) rows."""
+    if gamma == 0:
+        return 1.0
+    tokens = sum(expected_tokens(a, gamma) for a in alphas_by_row)
+    return tokens * costs.plain_s(batch) / (batch * costs.iteration_s(batch, gamma))
+
+
+def best_gamma(costs: CostModel, batch: int, alphas_by_row: Sequence[Sequence[float]],
+               max_gamma: int = MAX_GAMMA) -> tuple[int, float]:
+    """The γ in 0..max_gamma with the highest expected speedup (ties: the smaller γ), and that speedup."""
+    best = (0, 1.0)
+    for g in range(1, max_gamma + 1):
+        s = expected_speedup(costs, batch, g, alphas_by_row)
+        if s > best[1]:
+            best = (g, s)
+    return best
+
+
+def break_even_alpha(costs: CostModel, batch: int, gamma: int) -> float | None:
+    """The α (the same at every position) at which γ neither gains nor loses; None when even α = 1 loses."""
+    if gamma == 0 or expected_speedup(costs, batch, gamma, [[1.0]] * batch) < 1.0:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if expected_speedup(costs, batch, gamma, [[mid]] * batch) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+class RunningAcceptance:
+    """α by draft position, per sequence and pooled, recent iterations weighted most.
+
+    Each examined draft's min(1, p/q) is the chance its context accepts a draft sample, so their mean at
+    position k estimates the chance of passing k given that 0..k-1 passed. A sequence's estimate shrinks
+    toward the pool's and the pool's toward PRIOR, by a few pseudo-observations, so that a position seen
+    twice is not trusted like one seen fifty times."""
+
+    PRIOR = 0.6  # before anything is seen: a middling draft
+    PRIOR_WEIGHT = 1.0
+    SHRINK = 2.0
+
+    def __init__(self, decay: float = 0.95):
+        self.decay = decay  # per iteration that examined something: ~20 iterations of memory
+        self.stats: dict[tuple[int | None, int], list[float]] = {}  # (sequence or None, k) → [Σ weight·a, Σ weight]
+
+    def add(self, examined: dict[int, Sequence[float]]) -> None:
+        """examined: sequence → min(1, p/q) of its examined drafts, in position order."""
+        if not any(examined.values()):
+            return
+        for entry in self.stats.values():
+            entry[0] *= self.decay
+            entry[1] *= self.decay
+        for seq, probs in examined.items():
+            for k, a in enumerate(probs):
+                for key in ((seq, k), (None, k)):
+                    entry = self.stats.setdefault(key, [0.0, 0.0])
+                    entry[0] += a
+                    entry[1] += 1.0
+
+    def _pooled(self) -> float:
+        s = sum(v[0] for (q, _), v in self.stats.items() if q is None)
+        n = sum(v[1] for (q, _), v in self.stats.items() if q is None)
+        return (s + self.PRIOR * self.PRIOR_WEIGHT) / (n + self.PRIOR_WEIGHT)
+
+    def alphas(self, sequence: int | None, length: int) -> list[float]:
+        pooled = self._pooled()
+        out = []
+        for k in range(length):
+            s, n = self.stats.get((None, k), (0.0, 0.0))
+            at_k = (s + self.SHRINK * pooled) / (n + self.SHRINK)
+            if sequence is not None:
+                s, n = self.stats.get((sequence, k), (0.0, 0.0))
+                at_k = (s + self.SHRINK * at_k) / (n + self.SHRINK)
+            out.append(at_k)
+        return out
+
+
+# ---- calibration -------------------------------------------------------------------------------
+
+Step = Callable[[int], None]  # runs one call scoring M tokens per row (and undoes it)
+
+
+def _timed(call: Callable[[], None], repeats: int) -> list[float]:
+    call()  # warm-up: first calls allocate
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _cache_path(identity: dict) -> Path:
+    key = json.dumps({**identity, "machine": describe_machine(), "version": CALIBRATION_VERSION}, sort_keys=True)
+    return cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def _read_cached(path: Path) -> dict | None:
+    try:
+        d = json.loads(path.read_text())
+        CostModel.from_dict(d)  # refuse a damaged file: measure again
+        return d
+    except (OSError, ValueError):
+        return None
+
+
+def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, draft_step: Callable[[], None] | None,
+              plain_step: Callable[[], None]) -> None:
+    """Measure the target at CALIBRATION_TOKENS per row, a draft forward and a plain step for this batch size,
+    or take them from the cache file of this machine, models and batch size. Each step undoes itself."""
+    path = _cache_path({**identity, "batch": batch})
+    t0 = time.perf_counter()
+    cached = _read_cached(path)
+    if cached is None:
+        for m in CALIBRATION_TOKENS:
+            # one token sets the level every other price is compared with: more repeats there
+            costs.set_target(batch, m, _median(_timed(lambda: target_step(m), 2 * CALIBRATION_REPEATS if m == 1
+                                                      else CALIBRATION_REPEATS)))
+        costs.set_plain(batch, _median(_timed(plain_step, 2 * CALIBRATION_REPEATS)))
+        if draft_step is not None:
+            costs.set_draft(batch, _median(_timed(draft_step, CALIBRATION_REPEATS)))
+        _write(path, {"target": [[batch, m, costs.curve[(batch, m)], 0] for m in CALIBRATION_TOKENS],
+                      "plain": [[batch, costs.curve_plain[batch], 0]],
+                      "draft": [[batch, costs.curve_draft[batch], 0]] if batch in costs.curve_draft else []})
+    else:
+        model = CostModel.from_dict(cached)
+        costs.curve.update(model.curve)
+        costs.curve_plain.update(model.curve_plain)
+        costs.curve_draft.update(model.curve_draft)
+    costs.calibration_s += time.perf_counter() - t0
+    costs.calibrated_from_cache = cached is not None
+
+
+def _write(path: Path, d: dict) -> None:
+    """Atomically: a reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(d))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs the next run its calibration

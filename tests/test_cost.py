@@ -1,0 +1,335 @@
+"""The cost model and the cost-aware γ policy: closed forms on synthetic cost curves, the policy's choice
+against brute force, γ = 0 steps in the driver (greedy equality, and the output distribution of a run that
+mixes plain and speculative steps by chi-square goodness of fit), calibration's cache, a trace's cost table."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specviz import cost, engine, theory
+from specviz.config import SamplingConfig, SpecConfig
+from specviz.cost import (CALIBRATION_TOKENS, CostModel, RunningAcceptance, best_gamma, break_even_alpha, calibrate,
+                          expected_speedup, expected_tokens)
+from specviz.gamma import CostAware, Feedback
+from specviz.models import ModelPair
+from specviz.records import BONUS, RESAMPLED, TARGET
+from specviz.runs import run
+from specviz.text import TextSource, prompt_sequences
+from specviz.trace import Trace, TraceFormatError
+
+from conftest import decode, perturbed_copy, tiny_qwen, word_tokenizer
+from test_verify_statistics import FAMILY_ALPHA, POWER, gof_failure, samples_to_detect_tv
+
+
+def synthetic(t1: float = 0.1, per_token: float = 0.02, draft: float = 0.01, plain: float | None = None,
+              verify: float = 0.0, other: float = 0.0, batch: int = 1) -> CostModel:
+    """A cost model whose target call costs t1 + per_token · (M - 1) at every calibrated M."""
+    m = CostModel()
+    for tokens in CALIBRATION_TOKENS:
+        m.set_target(batch, tokens, t1 + per_token * (tokens - 1))
+    m.set_plain(batch, t1 if plain is None else plain)
+    if draft:
+        m.set_draft(batch, draft)
+    if verify:
+        m.verify.append(verify)
+    if other:
+        m.other.append(other)
+    return m
+
+
+# ---- closed forms -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.77, 0.95, 1.0])
+@pytest.mark.parametrize("gamma", [0, 1, 4, 9])
+def test_one_alpha_is_leviathans_formula(alpha, gamma):
+    assert expected_tokens([alpha], gamma) == pytest.approx(theory.expected_tokens(alpha, gamma))
+
+
+def test_alphas_by_position_multiply():
+    a = [0.9, 0.5, 0.2]
+    assert expected_tokens(a, 3) == pytest.approx(1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2)
+    assert expected_tokens(a, 5) == pytest.approx(1 + 0.9 + 0.45 + 0.09 + 0.018 + 0.0036)  # the last α repeats
+
+
+def test_flat_cost_is_leviathans_speedup():
+    """With T(M) = T(1) for every M, no verify or other cost, and T_draft = c·T(1): Theorem 3.8 exactly."""
+    m = synthetic(t1=0.2, per_token=0.0, draft=0.2 * 0.3)
+    for gamma in (1, 3, 7):
+        for alpha in (0.5, 0.8):
+            assert expected_speedup(m, 1, gamma, [[alpha]]) == pytest.approx(theory.walltime_factor(alpha, gamma, 0.3))
+
+
+def test_measured_cost_speedup_closed_form():
+    m = synthetic(t1=0.1, per_token=0.03, draft=0.02, plain=0.105, verify=0.004, other=0.001)
+    alphas = [[0.8, 0.7], [0.6]]  # two rows of a batch of 2, measured at B = 2 below
+    m2 = synthetic(t1=0.15, per_token=0.05, draft=0.03, plain=0.16, verify=0.004, other=0.001, batch=2)
+    for gamma in (1, 2, 5):
+        tokens = expected_tokens(alphas[0], gamma) + expected_tokens(alphas[1], gamma)
+        iteration = gamma * 0.03 + 0.15 + 0.05 * gamma + 0.004 + 0.001
+        assert expected_speedup(m2, 2, gamma, alphas) == pytest.approx(tokens / iteration * 0.16 / 2)
+    assert m.iteration_s(1, 0) == pytest.approx(0.105)  # γ = 0: a plain step
+    assert expected_speedup(m, 1, 0, [[0.9]]) == 1.0
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.7, 0.85, 0.95])
+@pytest.mark.parametrize("per_token,draft", [(0.0, 0.005), (0.01, 0.02), (0.03, 0.04), (0.09, 0.05)])
+def test_best_gamma_is_the_brute_force_optimum(alpha, per_token, draft):
+    m = synthetic(t1=0.1, per_token=per_token, draft=draft)
+    gamma, speedup = best_gamma(m, 1, [[alpha]])
+    grid = {g: expected_speedup(m, 1, g, [[alpha]]) for g in range(0, cost.MAX_GAMMA + 1)}
+    best = max(grid.values())
+    assert speedup == pytest.approx(best)
+    assert gamma == min(g for g, s in grid.items() if s == best)
+
+
+def test_nothing_pays_means_gamma_zero():
+    """A steep curve (each token scored costs 90% of a call) and a poor draft: every γ loses."""
+    m = synthetic(t1=0.1, per_token=0.09, draft=0.05)
+    assert best_gamma(m, 1, [[0.4]]) == (0, 1.0)
+    assert break_even_alpha(m, 1, 1) is None  # even a perfect draft cannot pay here at γ = 1
+
+
+def test_break_even_alpha_is_where_the_speedup_crosses_one():
+    m = synthetic(t1=0.1, per_token=0.02, draft=0.03)
+    for gamma in (1, 3, 6):
+        a = break_even_alpha(m, 1, gamma)
+        assert a is not None and 0 < a < 1
+        assert expected_speedup(m, 1, gamma, [[a]]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_unmeasured_points_interpolate_and_unmeasured_batches_borrow_the_shape():
+    m = CostModel()
+    for tokens, s in ((1, 0.1), (4, 0.16), (8, 0.24)):
+        m.set_target(2, tokens, s)
+    m.set_plain(2, 0.11)
+    assert m.target_s(2, 6) == pytest.approx(0.20)  # between 4 and 8
+    assert m.target_s(2, 12) == pytest.approx(0.32)  # extrapolated with the last slope
+    assert m.plain_s(1) == pytest.approx(0.11)  # batch 1 never seen: batch 2's numbers
+    m.observe(1, 3, 4, 0, 0.0, 0.08, 0.0, 0.0, False)  # batch 1 scores 4 tokens in half batch 2's time
+    assert m.target_s(1, 8) == pytest.approx(0.12)  # batch 2's shape at batch 1's level
+    assert m.plain_s(1) == pytest.approx(0.055)  # the plain step's share over one token, at that level
+
+
+def test_the_runs_own_calls_set_the_level_of_a_calibration_from_another_day():
+    m = synthetic(t1=0.1, per_token=0.02, draft=0.05, plain=0.105)
+    for _ in range(2):
+        m.observe(1, 3, 4, 3, 0.18, 0.16 * 1.2, 0.002, 0.001, False)  # today the machine is 20% slower
+    assert m.target_s(1, 4) == pytest.approx(0.192)  # not yet trusted alone: the curve at today's level
+    assert m.target_s(1, 1) == pytest.approx(0.12) and m.plain_s(1) == pytest.approx(0.126)
+    assert m.draft_s(1) == pytest.approx(0.06)  # the draft's own calls replace its calibration at once
+    m.observe(1, 3, 4, 3, 0.18, 0.2, 0.002, 0.001, False)
+    assert m.target_s(1, 4) == pytest.approx(0.192)  # three calls of its own: their median
+    m.observe(1, 0, 1, 0, 0.0, 0.13, 0.0, 0.0, False)  # plain steps are their own table
+    assert m.plain_s(1) == pytest.approx(0.126 * m.target_s(1, 1) / 0.12)
+    table = CostModel.from_dict(m.to_dict())
+    assert table.target_s(1, 4) == pytest.approx(m.target_s(1, 4)) and table.plain_s(1) == pytest.approx(m.plain_s(1))
+
+
+def test_running_acceptance_learns_positions_and_forgets_slowly():
+    acc = RunningAcceptance(decay=1.0)
+    for _ in range(200):
+        acc.add({0: [0.9, 0.5], 1: [0.2]})
+    pooled = acc.alphas(None, 3)
+    assert pooled[0] == pytest.approx(0.55, abs=0.01) and pooled[1] == pytest.approx(0.5, abs=0.01)
+    assert acc.alphas(0, 2)[0] == pytest.approx(0.9, abs=0.01)  # per sequence: its own
+    assert acc.alphas(1, 1)[0] == pytest.approx(0.2, abs=0.01)
+    fresh = RunningAcceptance()
+    assert fresh.alphas(None, 2) == [pytest.approx(RunningAcceptance.PRIOR)] * 2
+    recent = RunningAcceptance(decay=0.9)
+    for a in [0.1] * 50 + [0.9] * 30:
+        recent.add({0: [a]})
+    assert recent.alphas(None, 1)[0] > 0.8  # the draft got better: the estimate follows
+
+
+# ---- the policy -------------------------------------------------------------------------------------
+
+def feedback(gamma: int, probs: dict[int, list[float]]) -> Feedback:
+    return Feedback(gamma, [gamma] * len(probs), [len(p) for p in probs.values()], probs, 0.0, 0.0)
+
+
+def test_policy_picks_the_expected_best_gamma():
+    m = synthetic(t1=0.1, per_token=0.005, draft=0.01)
+    p = CostAware(costs=m)
+    for _ in range(60):
+        p.update(feedback(p.current() or 1, {0: [0.9] * max(1, p.current())}))
+    alphas = [p.acceptance.alphas(None, cost.MAX_GAMMA)]
+    assert p.current() == best_gamma(m, 1, alphas)[0] > 3
+
+
+def test_policy_steps_plainly_and_probes_with_back_off_where_nothing_pays():
+    m = synthetic(t1=0.1, per_token=0.09, draft=0.05)
+    p = CostAware(costs=m)
+    gammas = []
+    for _ in range(80):
+        g = p.current()
+        gammas.append(g)
+        p.update(feedback(g, {0: [0.3][:g]}))
+    probes = [i for i, g in enumerate(gammas) if g > 0][1:]  # after the initial γ
+    assert probes and all(gammas[i] == 1 for i in probes)  # γ = 1 is the cheapest probe on this curve
+    gaps = np.diff([0] + probes).tolist()
+    assert gaps[:4] == [5, 9, 17, 33]  # 4, 8, 16, 32 plain steps between probes (each probe is one step)
+    assert sum(g == 0 for g in gammas) / len(gammas) > 0.9
+
+
+def test_policy_without_measurements_keeps_its_gamma():
+    p = CostAware(3, costs=CostModel())
+    p.update(feedback(3, {0: [0.5, 0.5, 0.1]}))
+    assert p.current() == 3
+
+
+# ---- calibration and its cache ----------------------------------------------------------------------
+
+def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    calls = []
+    steps = (lambda m: calls.append(("target", m)), lambda: calls.append(("draft",)), lambda: calls.append(("plain",)))
+    first = CostModel()
+    calibrate(first, {"target": "t"}, 1, *steps)
+    assert {c[1] for c in calls if c[0] == "target"} == set(CALIBRATION_TOKENS)
+    assert not first.calibrated_from_cache and first.ready
+    n = len(calls)
+    again = CostModel()
+    calibrate(again, {"target": "t"}, 1, *steps)
+    assert len(calls) == n and again.calibrated_from_cache
+    assert sorted(again.target) == sorted(first.target)
+    other_batch = CostModel()
+    calibrate(other_batch, {"target": "t"}, 2, *steps)  # another batch size is another curve
+    assert len(calls) > n and not other_batch.calibrated_from_cache
+    for f in (tmp_path / "costs").iterdir():  # a damaged file is measured again, never trusted
+        f.write_text('{"target": [[1, 1, "x", 2]]')
+    n = len(calls)
+    damaged = CostModel()
+    calibrate(damaged, {"target": "t"}, 1, *steps)
+    assert len(calls) > n and not damaged.calibrated_from_cache
+
+
+@pytest.mark.parametrize("costs,message", [
+    ([], "costs must be an object"),
+    ({"target": [[1, 1, "0.1", 2]]}, "finite numbers"),
+    ({"target": [[1, 1, 0.1]]}, "lists of 4"),
+    ({"target": [[0, 1, 0.1, 2]]}, "out of range"),
+    ({"target": [[1, 1.5, 0.1, 2]]}, "out of range"),
+    ({"draft": [[1, -0.1, 2]]}, "out of range"),
+    ({"verify_s": -1}, "seconds"),
+    ({"plain": [[1, 0.1, 1]] * 5000}, "at most"),
+])
+def test_malformed_cost_tables_are_refused(costs, message):
+    with pytest.raises(ValueError, match=message):
+        CostModel.from_dict(costs)
+
+
+# ---- γ = 0 in the driver ----------------------------------------------------------------------------
+
+class Scripted:
+    """A policy that plays a fixed γ sequence (then repeats its last value): any γ sequence, 0 included,
+    must leave the output exact."""
+
+    name = "scripted"
+
+    def __init__(self, script: list[int]):
+        self.script, self.i = script, 0
+
+    def current(self) -> int:
+        return self.script[min(self.i, len(self.script) - 1)]
+
+    def update(self, fb) -> None:
+        self.i += 1
+
+
+SCRIPT = [3, 0, 0, 2, 0, 4, 1, 0, 0, 0, 5, 0, 2]
+
+
+@pytest.mark.parametrize("mode", ["baseline", "exact"])
+def test_greedy_with_plain_steps_in_the_mix_equals_target_only(tiny_pair, prompt_ids, batch_prompts, mode,
+                                                               monkeypatch):
+    cfg = SpecConfig(mode=mode, max_new_tokens=40)
+    alone = [decode(tiny_pair, [p], cfg, target_only=True).outputs[0] for p in [prompt_ids, *batch_prompts]]
+    monkeypatch.setattr(engine, "make_policy", lambda *a, **k: Scripted(SCRIPT))
+    single = decode(tiny_pair, [prompt_ids], cfg)
+    assert single.outputs == alone[:1]
+    assert {d.next_kind for d in single.decisions()} == {TARGET, BONUS, RESAMPLED}
+    assert [s.gamma for s in single.steps[:len(SCRIPT)]] == SCRIPT
+    batched = decode(tiny_pair, batch_prompts, cfg)  # ragged rows, a draft cache that lags after plain steps
+    assert batched.outputs == alone[1:]
+    assert Trace.loads(json.dumps(batched.to_dict())).outputs == batched.outputs  # γ = 0 steps load back
+
+
+def test_cost_policy_on_a_draft_as_costly_as_its_target(tiny_pair, prompt_ids):
+    """The tiny draft is a copy of the tiny target: drafting cannot pay, so the policy steps plainly (with
+    probes) and its greedy output is target-only's; the trace keeps the measured cost table."""
+    cfg = SpecConfig(mode="exact", gamma_policy="cost", max_new_tokens=40)
+    reference = decode(tiny_pair, [prompt_ids], cfg, target_only=True)
+    trace = decode(tiny_pair, [prompt_ids], cfg)
+    assert trace.outputs == reference.outputs
+    gammas = [s.gamma for s in trace.steps]
+    assert gammas[0] == 4 and gammas.count(0) > len(gammas) / 2, gammas
+    costs = CostModel.from_dict(trace.meta["costs"])
+    assert costs.ready and costs.draft_s(1) > 0
+    loaded = Trace.loads(json.dumps(trace.to_dict()))
+    assert loaded.meta["costs"] == trace.meta["costs"]
+
+
+def test_a_trace_with_a_malformed_cost_table_is_refused(tiny_pair, prompt_ids):
+    trace = decode(tiny_pair, [prompt_ids], SpecConfig(gamma_policy="cost", max_new_tokens=6))
+    d = trace.to_dict()
+    d["meta"]["costs"]["target"] = [[1, 1, 1e300, 1]]
+    with pytest.raises(TraceFormatError, match="meta.costs"):
+        Trace.loads(json.dumps(d))
+
+
+GOF_V = 48  # vocabulary of the goodness-of-fit pair: small enough to enumerate two tokens exactly
+GOF_TV = 0.06
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair() -> ModelPair:
+    target = tiny_qwen(3, vocab_size=GOF_V)
+    draft = perturbed_copy(target, noise=0.5, seed=4)  # disagrees often: rejections and resamples
+    return ModelPair(draft, target, word_tokenizer(GOF_V), "gof-draft", "gof-target", GOF_V)
+
+
+def _second_token_probs(pair: ModelPair, prompt: list[int], sampling: SamplingConfig) -> np.ndarray:
+    """P(second output token) by enumeration over the first; the last entry: the output ended at EOS first."""
+    from test_verify_statistics import probs_of
+
+    with torch.inference_mode():
+        first = probs_of(pair.target(torch.tensor([prompt])).logits[0, -1], sampling)
+        rows = torch.tensor([prompt + [x] for x in range(GOF_V)])
+        second = np.stack([probs_of(z, sampling) for z in pair.target(rows).logits[:, -1]])
+    eos = GOF_V - 1
+    out = np.zeros(GOF_V + 1)
+    for x in range(GOF_V):
+        if x == eos:
+            out[GOF_V] += first[x]
+        else:
+            out[:GOF_V] += first[x] * second[x]
+    return out
+
+
+@pytest.mark.parametrize("script", [[0, 3], [1, 0]], ids=["plain-then-draft", "draft-then-plain"])
+def test_runs_mixing_plain_and_speculative_steps_follow_the_target(small_vocab_pair, script, monkeypatch):
+    """The second token of a sampled run (T = 1) whose first iteration is a plain step and second a
+    speculative one (the draft catches up first), or the reverse, follows the target's two-token marginal.
+    Sample size: enough to detect TV 0.06 with power 0.99 at level FAMILY_ALPHA / 2 (two cases)."""
+    sampling = SamplingConfig(temperature=1.0)
+    prompt = [5, 17, 9, 30, 2]
+    p = _second_token_probs(small_vocab_pair, prompt, sampling)
+    alpha = FAMILY_ALPHA / 2
+    n = samples_to_detect_tv(GOF_TV, int((p > 0).sum()) - 1, alpha, POWER)
+    monkeypatch.setattr(engine, "make_policy", lambda *a, **k: Scripted(script))
+    batch = 64
+    counts = np.zeros(GOF_V + 1, dtype=np.int64)
+    kinds = set()
+    for seed in range(-(-n // batch)):
+        cfg = SpecConfig(mode="exact", sampling=sampling, max_new_tokens=2, seed=seed, explain_top=0)
+        source = TextSource(small_vocab_pair, prompt_sequences([("p", prompt)], batch, cfg))
+        trace = run(source, cfg, batch_size=batch)
+        for out in trace.outputs:
+            counts[out[1] if len(out) > 1 else GOF_V] += 1
+        kinds |= {d.next_kind for d in trace.decisions()}
+    assert {TARGET, RESAMPLED} <= kinds
+    assert (failure := gof_failure(counts, p, alpha)) is None, failure

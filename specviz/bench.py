@@ -85,7 +85,9 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
     - nocheck_us (kernel path): the kernels alone with check=False (no readback, no errors) until the
       stream is idle, uniforms drawn beforehand;
     - gpu_us (kernel path): CUDA events right around the kernel launches: GPU time only;
-    - host_us (kernel path): call_us - gpu_us, the host's share (Python, launches, uniforms, readback);
+    - host_us: the host's share of a call. Kernel path: call_us - gpu_us (Python, launches, uniforms,
+      readback). Torch path, where all of it runs on the host: the same call at V = 16 and the same B, γ and
+      mode, i.e. the per-call cost that does not grow with the vocabulary (Python, dispatch, small ops);
     - speedup: the baseline's call_us over this row's (same V, B, γ, dtype);
     - floor_bytes = (2γ+1)·V·B·s and achieved_GBps = floor / gpu_us (call_us where there is no gpu_us).
     top_k > 0 and top_p < 1 add those filters to the sampling (temperature 1); the kernel path applies them
@@ -129,6 +131,11 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
                                 row.update(_kernel_split(project_kernels(), mode, sampling, tokens, draft, target,
                                                          g, warmup, iters))
                                 row["host_us"] = row["call_us"] - row["gpu_us"]
+                            else:
+                                small = (tokens % 16, draft[..., :16].contiguous(), target[..., :16].contiguous())
+                                row["host_us"] = _median_us(
+                                    lambda: verify(mode, small[0], small[1], small[2], sampling, g, backend=backend).host(),
+                                    warmup, iters)
                             if mode == "baseline":
                                 baseline_us = row["call_us"]
                             row["speedup"] = baseline_us / row["call_us"] if baseline_us else None

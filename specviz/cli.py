@@ -253,7 +253,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if args.hf_assisted and len(source.sequences) > 1:
             raise InputError("--hf-assisted runs one sequence: transformers' assisted generation has no batch > 1")
         extra = hf_assisted_runs(pair, source.sequences[0].prompt_ids, cfg) if args.hf_assisted else {}
-    extra = {**_draft_variants(args, pair, cfg, clips if kinds == {True} else None), **extra}
+    runner = source_runner(source, args.batch_size)
+    extra = {**_draft_variants(args, pair, cfg, clips if kinds == {True} else None),
+             **_policy_variants(args, cfg, runner), **extra}
     names = f"{pair.draft_name} → {pair.target_name}"
     modes = tuple(args.modes)
     with tqdm(desc="compare", unit="run", file=sys.stderr, total=1 + (1 + len(modes) + len(extra)) * args.repeat) as bar:
@@ -265,7 +267,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             started.append(name)
             bar.set_postfix_str(name)
 
-        rows, traces = compare(source_runner(source, args.batch_size), cfg, modes=modes, extra=extra,
+        rows, traces = compare(runner, cfg, modes=modes, extra=extra,
                                repeat=args.repeat, on_stage=stage)
         bar.update(1)
     wer = {}
@@ -274,14 +276,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         reference = Path(args.reference_file).read_text(encoding="utf-8")
         wer = {name: word_error_rate(reference, trace.output_text) for name, trace in traces.items()}
-    header = (f"{'run':30s} {'tok/s':>7s} {'tok/s/seq':>9s} {'speedup':>8s} {'(min–max)':>11s} {'α':>6s} "
+    header = (f"{'run':30s} {'tok/s':>7s} {'tok/s/seq':>9s} {'speedup':>8s} {'(min–max)':>11s} {'predicted':>9s} {'α':>6s} "
               f"{'tok/iter':>8s} {'verify ms':>9s}  = target-only" + ("    WER" if wer else ""))
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r.name:30s} {r.tokens_per_s:7.2f} {r.tokens_per_s_per_sequence:9.2f} {r.speedup:7.2f}× "
-              f"{f'{r.speedup_min:.2f}–{r.speedup_max:.2f}':>11s} "
-              f"{_fmt(r.alpha, '6.3f'):>6s} {_fmt(r.tokens_per_iteration, '8.2f'):>8s} "
+              f"{f'{r.speedup_min:.2f}–{r.speedup_max:.2f}':>11s} {_fmt(r.predicted_speedup, '8.2f'):>8s}"
+              f"{'×' if r.predicted_speedup is not None else ' '} {_fmt(r.alpha, '6.3f'):>6s} {_fmt(r.tokens_per_iteration, '8.2f'):>8s} "
               f"{_fmt(r.median_verify_ms, '9.2f'):>9s}  {'yes' if r.equals_target_only else 'no ':13s}"
               + (f" {wer[r.name]:6.3f}" if wer else ""))
     if args.repeat > 1:
@@ -323,6 +325,20 @@ def _draft_variants(args: argparse.Namespace, pair, cfg: SpecConfig, clips) -> d
         head = "" if kind == "lookup" else f" · K={variant.draft_vocab}" if variant.draft_vocab else " · all tokens"
         name = f"{variant.mode} · {kind}{head}"
         out[name] = lambda source=source, variant=variant: run(source, variant, batch_size=args.batch_size)
+    return out
+
+
+def _policy_variants(args: argparse.Namespace, cfg: SpecConfig, runner) -> dict:
+    """Extra compare runs, one per --policies entry 'POLICY[:γ]' (e.g. cost, constant:3), in the first mode."""
+    out = {}
+    for spec in args.policies or []:
+        name, _, gamma = spec.partition(":")
+        if name not in GAMMA_POLICIES or (gamma and not gamma.isdigit()) or gamma == "0":
+            raise InputError(f"--policies takes POLICY[:γ] with POLICY one of {', '.join(GAMMA_POLICIES)} and γ ≥ 1, "
+                             f"got {spec!r}")
+        variant = dataclasses.replace(cfg, mode=args.modes[0], gamma_policy=name,
+                                      gamma_init=int(gamma) if gamma else None)
+        out[f"{variant.mode} · γ {spec}"] = lambda variant=variant: runner(variant, False)
     return out
 
 
@@ -571,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="verification modes to run")
     c.add_argument("--drafts", nargs="+", metavar="KIND[:K]",
                    help="extra runs in the first mode with other drafts, e.g. model lookup lookup+model:32768")
+    c.add_argument("--policies", nargs="+", metavar="POLICY[:γ]",
+                   help="extra runs in the first mode with other γ policies, e.g. cost hf constant:1 constant:3")
     c.set_defaults(func=cmd_compare)
     b = sub.add_parser("bench-speech-draft", help="acceptance and speed of self-speculative Whisper drafts by layer set")
     _add_common(b, "audio")

@@ -14,6 +14,7 @@ import torch
 from .config import MODES, SpecConfig
 from .engine import Source
 from .models import ModelPair
+from .prediction import predict
 from .runs import DEFAULT_BATCH, run
 from .trace import SequenceTrace, Trace
 
@@ -36,6 +37,7 @@ class Row:
     speedup_max: float
     decode_tokens_per_s: float  # the median run's tokens over its decoding time (prefill left out); the median
     # run (by wall time) also gives the row's α, tokens per iteration, verify time and output
+    predicted_speedup: float | None = None  # what the median run's measured call costs predict (specviz.prediction)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -63,6 +65,7 @@ def _row(name: str, runs: list[Trace], references: list[Trace]) -> Row:
         speedup_min=ratios[0],
         speedup_max=ratios[-1],
         decode_tokens_per_s=trace.decode_tokens_per_s,
+        predicted_speedup=p.speedup if (p := predict(trace)) is not None else None,
     )
 
 

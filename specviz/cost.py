@@ -43,6 +43,12 @@ def _median(samples: Sequence[float]) -> float:
     return statistics.median(samples)
 
 
+def _mean(samples: Sequence[float]) -> float:
+    """The run's own calls are priced by their mean: a run's time is their sum, and on a shared machine
+    their distribution has a long tail that a median would leave out."""
+    return statistics.fmean(samples)
+
+
 def _interpolate(points: dict[int, float], x: int) -> float:
     """Piecewise-linear through (tokens, seconds) points; linear extrapolation beyond the last two."""
     xs = sorted(points)
@@ -64,8 +70,8 @@ class CostModel:
     """Seconds per part of an iteration, by batch size B and tokens per row M.
 
     Two sources: the calibration (a whole curve, possibly read from a file written on another day) and
-    the run's own calls. A point the run has called often enough is its own median; any other point is the
-    calibrated curve scaled by the run's level, the median ratio of its calls to the curve, because a
+    the run's own calls. A point the run has called often enough is its own mean; any other point is the
+    calibrated curve scaled by the run's level, the mean ratio of its calls to the curve, because a
     machine's speed drifts (load, clocks) while the curve's shape does not.
 
     Written by the decoding driver after every iteration, read by the cost-aware γ policy, both in the
@@ -137,12 +143,12 @@ class CostModel:
         """Seconds of a target forward scoring `tokens` per row of a batch of `batch` rows."""
         own = self.target.get((batch, tokens))
         if own and len(own) >= self.TRUST:
-            return _median(own)
+            return _mean(own)
         calibrated = self._calibrated(batch)
         if calibrated:
-            level = _median(self.level[batch]) if self.level.get(batch) else 1.0
+            level = _mean(self.level[batch]) if self.level.get(batch) else 1.0
             return _interpolate(calibrated, tokens) * level
-        points = {m: _median(s) for (b, m), s in self.target.items() if b == batch}
+        points = {m: _mean(s) for (b, m), s in self.target.items() if b == batch}
         if not points:
             raise LookupError("no target call measured yet")
         return _interpolate(points, tokens)
@@ -152,7 +158,7 @@ class CostModel:
         over a one-token forward times today's one-token forward."""
         own = self.plain.get(batch)
         if own and len(own) >= self.TRUST:
-            return _median(own)
+            return _mean(own)
         near = self._nearest(batch, self.curve_plain)
         if near is not None and (near, 1) in self.curve:
             return self.curve_plain[near] / self.curve[(near, 1)] * self.target_s(batch, 1)
@@ -161,18 +167,18 @@ class CostModel:
     def draft_s(self, batch: int) -> float:
         """Seconds of one draft forward; 0 when no draft model has run (prompt lookup costs ~nothing)."""
         if self.draft.get(batch):
-            return _median(self.draft[batch])
+            return _mean(self.draft[batch])
         near = self._nearest(batch, self.curve_draft)
         if near is not None:
             return self.curve_draft[near]
         near = self._nearest(batch, self.draft)
-        return _median(self.draft[near]) if near is not None else 0.0
+        return _mean(self.draft[near]) if near is not None else 0.0
 
     def verify_s(self) -> float:
-        return _median(self.verify) if self.verify else 0.0
+        return _mean(self.verify) if self.verify else 0.0
 
     def other_s(self) -> float:
-        return _median(self.other) if self.other else 0.0
+        return _mean(self.other) if self.other else 0.0
 
     def iteration_s(self, batch: int, gamma: int) -> float:
         """Expected seconds of an iteration drafting γ tokens per row (γ = 0: a plain target step)."""
@@ -215,7 +221,7 @@ class CostModel:
             for row in value:
                 if not (isinstance(row, list) and len(row) == width and all(_number(x) for x in row)):
                     raise ValueError(f"costs.{name} entries must be lists of {width} finite numbers")
-                if any(x != int(x) or not 1 <= x <= MAX_POINTS for x in row[:width - 2]) or not 0 < row[-2] < 1e6:
+                if any(x != int(x) or not 1 <= x <= MAX_POINTS for x in row[:width - 2]) or not 1e-9 <= row[-2] < 1e6:
                     raise ValueError(f"costs.{name} holds a batch, a token count or seconds out of range")
             return value
 
@@ -295,7 +301,7 @@ class RunningAcceptance:
 
     PRIOR = 0.6  # before anything is seen: a middling draft
     PRIOR_WEIGHT = 1.0
-    SHRINK = 2.0
+    SHRINK = 6.0  # a position seen once (greedy: a 0 or a 1) moves its estimate by a seventh
 
     def __init__(self, decay: float = 0.95):
         self.decay = decay  # per iteration that examined something: ~20 iterations of memory

@@ -292,16 +292,17 @@ def break_even_alpha(costs: CostModel, batch: int, gamma: int) -> float | None:
 
 
 class RunningAcceptance:
-    """α by draft position, per sequence and pooled, recent iterations weighted most.
+    """α by draft position, per sequence and for the batch, recent iterations weighted most.
 
     Each examined draft's min(1, p/q) is the chance its context accepts a draft sample, so their mean at
-    position k estimates the chance of passing k given that 0..k-1 passed. A sequence's estimate shrinks
-    toward the pool's and the pool's toward PRIOR, by a few pseudo-observations, so that a position seen
-    twice is not trusted like one seen fifty times."""
+    position k estimates the chance of passing k given that 0..k-1 passed. Position k's estimate leans on
+    position k-1's (and position 0's on PRIOR) by a few pseudo-observations, and a sequence's on the
+    batch's: a position seen twice is not trusted like one seen fifty times, and a position never reached
+    is priced like the one before it, not like the batch's average over deeper, harder positions."""
 
     PRIOR = 0.6  # before anything is seen: a middling draft
-    PRIOR_WEIGHT = 1.0
-    SHRINK = 6.0  # a position seen once (greedy: a 0 or a 1) moves its estimate by a seventh
+    PRIOR_WEIGHT = 1.0  # position 0 hears from every iteration that drafts: let it learn fast
+    SHRINK = 3.0
 
     def __init__(self, decay: float = 0.95):
         self.decay = decay  # per iteration that examined something: ~20 iterations of memory
@@ -321,17 +322,12 @@ class RunningAcceptance:
                     entry[0] += a
                     entry[1] += 1.0
 
-    def _pooled(self) -> float:
-        s = sum(v[0] for (q, _), v in self.stats.items() if q is None)
-        n = sum(v[1] for (q, _), v in self.stats.items() if q is None)
-        return (s + self.PRIOR * self.PRIOR_WEIGHT) / (n + self.PRIOR_WEIGHT)
-
     def alphas(self, sequence: int | None, length: int) -> list[float]:
-        pooled = self._pooled()
-        out = []
+        out: list[float] = []
         for k in range(length):
+            prior, weight = (self.PRIOR, self.PRIOR_WEIGHT) if k == 0 else (out[k - 1], self.SHRINK)
             s, n = self.stats.get((None, k), (0.0, 0.0))
-            at_k = (s + self.SHRINK * pooled) / (n + self.SHRINK)
+            at_k = (s + weight * prior) / (n + weight)
             if sequence is not None:
                 s, n = self.stats.get((sequence, k), (0.0, 0.0))
                 at_k = (s + self.SHRINK * at_k) / (n + self.SHRINK)

@@ -136,11 +136,12 @@ class CostAware:
     no γ is expected to beat it.
 
     Plain steps teach it nothing about the draft, so while it decides γ = 0 it drafts again now and then
-    (after 4, 8, 16, then every 32 plain steps): a probe costs a fraction of one step, and a draft that got
-    better on an easier stretch of text is found again."""
+    (after 2, 4, 8, 16, then every 32 plain steps): a probe costs a fraction of one step (and the draft's
+    catching up on the tokens it missed), and a draft that got better on an easier stretch of text is found
+    again."""
 
     name = "cost"
-    PROBE_FIRST, PROBE_MAX = 4, 32
+    PROBE_FIRST, PROBE_MAX = 2, 32
 
     def __init__(self, gamma: int = 4, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
         # costs: the run's measurements, written by the driver after each iteration and read here, in the

@@ -133,12 +133,18 @@ def test_running_acceptance_learns_positions_and_forgets_slowly():
     acc = RunningAcceptance(decay=1.0)
     for _ in range(200):
         acc.add({0: [0.9, 0.5], 1: [0.2]})
-    pooled = acc.alphas(None, 3)
-    assert pooled[0] == pytest.approx(0.55, abs=0.01) and pooled[1] == pytest.approx(0.5, abs=0.01)
-    assert acc.alphas(0, 2)[0] == pytest.approx(0.9, abs=0.015)  # per sequence: its own (shrunk a little)
-    assert acc.alphas(1, 1)[0] == pytest.approx(0.2, abs=0.015)
+    batch = acc.alphas(None, 3)
+    assert batch[0] == pytest.approx(0.55, abs=0.01) and batch[1] == pytest.approx(0.5, abs=0.01)
+    assert batch[2] == pytest.approx(batch[1])  # never reached: priced like the position before it
+    assert acc.alphas(0, 2)[0] == pytest.approx(0.9, abs=0.01)  # per sequence: its own
+    assert acc.alphas(1, 1)[0] == pytest.approx(0.2, abs=0.01)
     fresh = RunningAcceptance()
     assert fresh.alphas(None, 2) == [pytest.approx(RunningAcceptance.PRIOR)] * 2
+    once = RunningAcceptance()
+    once.add({0: [1.0, 0.0]})  # one greedy iteration: accepted, then rejected
+    first, second = once.alphas(None, 2)
+    assert first == pytest.approx(0.8)  # (1 + 0.6) / 2
+    assert second == pytest.approx((0.0 + 3 * 0.8) / 4)  # one rejection does not condemn position 1
     recent = RunningAcceptance(decay=0.9)
     for a in [0.1] * 50 + [0.9] * 30:
         recent.add({0: [a]})
@@ -171,7 +177,7 @@ def test_policy_steps_plainly_and_probes_with_back_off_where_nothing_pays():
     probes = [i for i, g in enumerate(gammas) if g > 0][1:]  # after the initial γ
     assert probes and all(gammas[i] == 1 for i in probes)  # γ = 1 is the cheapest probe on this curve
     gaps = np.diff([0] + probes).tolist()
-    assert gaps[:4] == [5, 9, 17, 33]  # 4, 8, 16, 32 plain steps between probes (each probe is one step)
+    assert gaps[:5] == [3, 5, 9, 17, 33]  # 2, 4, 8, 16, 32 plain steps between probes (each probe is one step)
     assert sum(g == 0 for g in gammas) / len(gammas) > 0.9
 
 

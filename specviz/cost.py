@@ -300,7 +300,7 @@ class RunningAcceptance:
     batch's: a position seen twice is not trusted like one seen fifty times, and a position never reached
     is priced like the one before it, not like the batch's average over deeper, harder positions."""
 
-    PRIOR = 0.6  # before anything is seen: a middling draft
+    PRIOR = 0.8  # before anything is seen: a draft worth trying (a pessimistic prior would never draft)
     PRIOR_WEIGHT = 1.0  # position 0 hears from every iteration that drafts: let it learn fast
     SHRINK = 3.0
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from . import theory
-from .cost import MAX_GAMMA, CostModel, RunningAcceptance, best_gamma, expected_speedup
+from .cost import MAX_GAMMA, CostModel, RunningAcceptance, best_gamma, expected_speedup, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -133,47 +133,55 @@ class CostAware:
     """Each iteration, the γ with the highest expected tokens per second (specviz.cost): the measured cost
     of every call (the target's by the tokens it scores, the draft's step, verification) against the
     expected tokens from α by draft position, per sequence of the batch. γ = 0, a plain target step, when
-    no γ is expected to beat it.
+    no γ is expected to beat it. The first γ comes from the calibrated costs and the prior α.
 
-    Plain steps teach it nothing about the draft, so while it decides γ = 0 it drafts again now and then
-    (after 2, 4, 8, 16, then every 32 plain steps): a probe costs a fraction of one step (and the draft's
-    catching up on the tokens it missed), and a draft that got better on an easier stretch of text is found
-    again."""
+    Plain steps teach it nothing about the draft, so while it steps plainly it drafts now and then (a
+    probe), so that a draft that got better on an easier stretch of text is found again. A probe costs
+    what its iteration is expected to lose against a plain step plus the draft's catching up on the tokens
+    it missed; probes are spaced so that they take about EXPLORE_SHARE of the plain steps' time (every
+    2 to 64 plain steps): often where drafting nearly pays, rarely where it is far from paying."""
 
     name = "cost"
-    PROBE_FIRST, PROBE_MAX = 2, 32
+    EXPLORE_SHARE = 0.03
+    PROBE_MIN, PROBE_MAX = 2, 64
 
-    def __init__(self, gamma: int = 4, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
+    def __init__(self, gamma: int | None = None, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
         # costs: the run's measurements, written by the driver after each iteration and read here, in the
-        # driver's thread; without any, the policy keeps its γ until the first measurements arrive
+        # driver's thread. gamma: the first γ; None decides it from the costs (4 without any).
         self.gamma, self.costs, self.max_gamma = gamma, costs, max_gamma
         self.acceptance = RunningAcceptance()
-        self.plain_run = 0  # consecutive γ = 0 decisions
-        self.probe_after = self.PROBE_FIRST
-        self.expected = None  # (γ, expected speedup) of the last decision, for the page and tests
+        self.plain_run = 0  # plain steps since the last iteration that drafted
+        self.expected: tuple[int, float] | None = None  # (γ, expected speedup) of the last decision
 
     def current(self) -> int:
+        if self.gamma is None:
+            ready = self.costs is not None and self.costs.ready
+            batch = min(b for b, _ in self.costs.curve) if ready and self.costs.curve else 1
+            self.gamma = self._decide([None] * batch) if ready else 4
         return self.gamma
 
     def update(self, fb: Feedback) -> None:
         self.acceptance.add(fb.examined)
-        if self.costs is None or not self.costs.ready:
-            return
-        rows = sorted(fb.examined) or [None]
-        alphas = [self.acceptance.alphas(seq if len(rows) > 1 else None, self.max_gamma) for seq in rows]
-        gamma, speedup = best_gamma(self.costs, len(rows), alphas, self.max_gamma)
+        self.plain_run = self.plain_run + 1 if fb.gamma == 0 else 0
+        if self.costs is not None and self.costs.ready:
+            rows = sorted(fb.examined) or [None]
+            self.gamma = self._decide(rows if len(rows) > 1 else [None])
+
+    def _decide(self, rows: list) -> int:
+        batch = len(rows)
+        alphas = [self.acceptance.alphas(seq, self.max_gamma) for seq in rows]
+        gamma, speedup = best_gamma(self.costs, batch, alphas, self.max_gamma)
         self.expected = (gamma, speedup)
         if gamma > 0:
-            self.gamma, self.plain_run, self.probe_after = gamma, 0, self.PROBE_FIRST
-            return
-        if fb.gamma == 0:
-            self.plain_run += 1
-        if self.plain_run >= self.probe_after:
-            self.gamma = max(range(1, self.max_gamma + 1),
-                             key=lambda g: expected_speedup(self.costs, len(rows), g, alphas))
-            self.plain_run, self.probe_after = 0, min(2 * self.probe_after, self.PROBE_MAX)
-        else:
-            self.gamma = 0
+            return gamma
+        probe = max(range(1, self.max_gamma + 1), key=lambda g: expected_speedup(self.costs, batch, g, alphas))
+        return probe if self.plain_run >= self.probe_after(batch, probe, alphas) else 0
+
+    def probe_after(self, batch: int, gamma: int, alphas) -> int:
+        """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE."""
+        spent = (self.costs.iteration_s(batch, gamma) + self.costs.draft_s(batch)) / self.costs.plain_s(batch)
+        loss = spent - sum(expected_tokens(a, gamma) for a in alphas) / batch  # plain steps it is worse by
+        return min(self.PROBE_MAX, max(self.PROBE_MIN, math.ceil(loss / self.EXPLORE_SHARE)))
 
 
 _POLICIES = {"constant": Constant, "hf": HFHeuristic, "bass": BASS, "optimal": Optimal, "cost": CostAware}
@@ -185,8 +193,8 @@ def default_policy(batch: int) -> str:
 
 
 def make_policy(name: str, initial: int | None = None, costs: CostModel | None = None):
-    """A fresh policy; `initial` overrides its starting γ (hf/constant/optimal: 5, bass: 7, cost: 4); the
-    cost-aware policy reads the run's measured costs."""
+    """A fresh policy; `initial` overrides its starting γ (hf/constant/optimal: 5, bass: 7, cost: from the
+    calibrated costs); the cost-aware policy reads the run's measured costs."""
     cls = _POLICIES[name]
     kwargs = {"costs": costs} if cls is CostAware else {}
     return cls(**kwargs) if initial is None else cls(initial, **kwargs)

@@ -554,6 +554,7 @@ def _per_sequence(fig: go.Figure, trace: Trace) -> None:
     fig.update_layout(barmode="group")
     fig.update_xaxes(title="drafts accepted", dtick=1, row=3, col=1)
     fig.update_yaxes(title="iterations", rangemode="tozero", row=3, col=1)
+    fig.update_xaxes(title="sequence", row=3, col=2)
     fig.update_yaxes(range=[0, 1.05], title="per sequence", row=3, col=2)
 
 

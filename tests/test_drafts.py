@@ -215,7 +215,7 @@ def test_summary_and_page_say_which_draft_ran(tiny_pair):
     assert "measured c = " in line
     alone = decode(tiny_pair, prompts, SpecConfig(draft_kind="lookup", max_new_tokens=20))
     assert alone.summary()["lookup_share"] == 1 and alone.summary()["cost_ratio"] is None
-    assert "measured c" not in summary_markdown(alone) and "draft head" not in summary_markdown(alone)
+    assert "measured c = " not in summary_markdown(alone) and "draft head" not in summary_markdown(alone)
 
 
 def test_bad_draft_settings_get_clear_messages(tmp_path):

@@ -91,6 +91,7 @@ class CostModel:
         self.other: deque = deque(maxlen=RECENT)  # the rest of an iteration: bookkeeping, records
         self.calibration_s = 0.0
         self.calibrated_from_cache = False
+        self._seen: set[tuple[int, object]] = set()  # (table, key) whose first call was set aside
 
     # ---- calibration ---------------------------------------------------------------------------
     def set_target(self, batch: int, tokens: int, seconds: float) -> None:
@@ -103,12 +104,16 @@ class CostModel:
         self.curve_draft[batch] = seconds
 
     # ---- the run's calls -----------------------------------------------------------------------
-    @staticmethod
-    def _add(table: dict, key, seconds: float) -> bool:
-        if seconds > 0 and math.isfinite(seconds):
-            table.setdefault(key, deque(maxlen=RECENT)).append(seconds)
-            return True
-        return False
+    def _add(self, table: dict, key, seconds: float) -> bool:
+        """Keep a sample, except a run's first call of each kind and shape: it pays one-off setup (a fresh
+        cache, first allocations; a Whisper draft's first call measured twice its step)."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return False
+        if (id(table), key) not in self._seen:
+            self._seen.add((id(table), key))
+            return False
+        table.setdefault(key, deque(maxlen=RECENT)).append(seconds)
+        return True
 
     def observe(self, batch: int, gamma: int, scored: int, draft_forwards: int, draft_s: float, target_s: float,
                 verify_s: float, other_s: float, draft_caught_up: bool) -> None:
@@ -120,7 +125,7 @@ class CostModel:
             return
         calibrated = self._calibrated(batch)
         if self._add(self.target, (batch, scored), target_s) and calibrated:
-            self._add(self.level, batch, target_s / _interpolate(calibrated, scored))
+            self.level.setdefault(batch, deque(maxlen=RECENT)).append(target_s / _interpolate(calibrated, scored))
         if draft_forwards and not draft_caught_up:
             self._add(self.draft, batch, draft_s / draft_forwards)
         if verify_s > 0:
@@ -166,8 +171,9 @@ class CostModel:
 
     def draft_s(self, batch: int) -> float:
         """Seconds of one draft forward; 0 when no draft model has run (prompt lookup costs ~nothing)."""
-        if self.draft.get(batch):
-            return _mean(self.draft[batch])
+        own = self.draft.get(batch)
+        if own and (len(own) >= self.TRUST or batch not in self.curve_draft):
+            return _mean(own)
         near = self._nearest(batch, self.curve_draft)
         if near is not None:
             return self.curve_draft[near]

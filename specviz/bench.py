@@ -195,13 +195,12 @@ def batch_scaling(pair, article: str, batches: list[int], cfg: SpecConfig, repea
     """
     import dataclasses
 
-    from .gamma import default_policy
     from .runs import run
     from .text import article_source
 
     rows = []
     for b in batches:
-        c = dataclasses.replace(cfg, gamma_policy=policy or default_policy(b))
+        c = dataclasses.replace(cfg, gamma_policy=policy or ("bass" if b > 1 else "hf"))  # the BASS paper's setting
         source = article_source(pair, [("article", article)], c, num_sequences=b)
         run(source, dataclasses.replace(c, max_new_tokens=4))  # first calls at a new batch shape: not timed
         runs: dict[str, list[Trace]] = {"target-only": [], "speculative": []}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from . import theory
-from .cost import MAX_GAMMA, CostModel, RunningAcceptance, best_gamma, expected_speedup, expected_tokens
+from .cost import MAX_GAMMA, CostModel, RunningAcceptance, speedups
 
 
 @dataclass(frozen=True)
@@ -170,25 +170,32 @@ class CostAware:
     def _decide(self, rows: list) -> int:
         batch = len(rows)
         alphas = [self.acceptance.alphas(seq, self.max_gamma) for seq in rows]
-        gamma, speedup = best_gamma(self.costs, batch, alphas, self.max_gamma)
-        self.expected = (gamma, speedup)
+        table = speedups(self.costs, batch, alphas, self.max_gamma)
+        gamma = max(range(self.max_gamma + 1), key=lambda g: (table[g], -g))
+        self.expected = (gamma, table[gamma])
         if gamma > 0:
             return gamma
-        probe = max(range(1, self.max_gamma + 1), key=lambda g: expected_speedup(self.costs, batch, g, alphas))
-        return probe if self.plain_run >= self.probe_after(batch, probe, alphas) else 0
+        probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
+        return probe if self.plain_run >= self.probe_after(batch, probe, table[probe]) else 0
 
-    def probe_after(self, batch: int, gamma: int, alphas) -> int:
-        """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE."""
-        spent = (self.costs.iteration_s(batch, gamma) + self.costs.draft_s(batch)) / self.costs.plain_s(batch)
-        loss = spent - sum(expected_tokens(a, gamma) for a in alphas) / batch  # plain steps it is worse by
+    def probe_after(self, batch: int, gamma: int, speedup: float) -> int:
+        """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE. A probe
+        at γ takes iteration_s(γ) plus the draft catching up (about one more draft step) where plain steps
+        would have made the same tokens in speedup · iteration_s(γ)."""
+        steps = self.costs.iteration_s(batch, gamma) / self.costs.plain_s(batch)
+        loss = steps * (1 - speedup) + self.costs.draft_s(batch) / self.costs.plain_s(batch)
         return min(self.PROBE_MAX, max(self.PROBE_MIN, math.ceil(loss / self.EXPLORE_SHARE)))
 
 
 _POLICIES = {"constant": Constant, "hf": HFHeuristic, "bass": BASS, "optimal": Optimal, "cost": CostAware}
 
 
-def default_policy(batch: int) -> str:
-    """BASS Algorithm 1 for batches, transformers' heuristic for one sequence."""
+def default_policy(batch: int, speech: bool = False) -> str:
+    """Text: the cost-aware policy, one sequence or a batch (it measured best on every text configuration,
+    docs/benchmarks.md). Speech: BASS Algorithm 1 for batches, transformers' heuristic for one sequence
+    (greedy Whisper measured better with `hf`)."""
+    if not speech:
+        return "cost"
     return "bass" if batch > 1 else "hf"
 
 

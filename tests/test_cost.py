@@ -79,9 +79,10 @@ def test_measured_cost_speedup_closed_form():
 @pytest.mark.parametrize("alpha", [0.2, 0.5, 0.7, 0.85, 0.95])
 @pytest.mark.parametrize("per_token,draft", [(0.0, 0.005), (0.01, 0.02), (0.03, 0.04), (0.09, 0.05)])
 def test_best_gamma_is_the_brute_force_optimum(alpha, per_token, draft):
-    m = synthetic(t1=0.1, per_token=per_token, draft=draft)
+    m = synthetic(t1=0.1, per_token=per_token, draft=draft, verify=0.002, other=0.001)
     gamma, speedup = best_gamma(m, 1, [[alpha]])
     grid = {g: expected_speedup(m, 1, g, [[alpha]]) for g in range(0, cost.MAX_GAMMA + 1)}
+    assert cost.speedups(m, 1, [[alpha]]) == pytest.approx([grid[g] for g in sorted(grid)])  # the one-pass table
     best = max(grid.values())
     assert speedup == pytest.approx(best)
     assert gamma == min(g for g, s in grid.items() if s == best)
@@ -186,13 +187,13 @@ def test_policy_steps_plainly_and_probes_by_expected_loss_where_nothing_pays():
     # a probe here loses (0.05 + 0.19 + 0.05 draft catching up) / 0.1 - (1 + α) ≈ 1.6 plain steps: one probe
     # per ~54 plain steps keeps probing at 3% of the time
     alphas = [p.acceptance.alphas(None, cost.MAX_GAMMA)]
-    spacing = p.probe_after(1, 1, alphas)
+    spacing = p.probe_after(1, 1, expected_speedup(m, 1, 1, alphas))
     assert spacing == math.ceil((2.9 - expected_tokens(alphas[0], 1)) / CostAware.EXPLORE_SHARE)
     gaps = np.diff(probes).tolist()
     assert abs(gaps[-1] - (spacing + 1)) <= 1 and gaps == sorted(gaps)  # α falls from the prior probe by probe
     assert sum(g == 0 for g in gammas) / len(gammas) > 0.95
     near = CostAware(costs=synthetic(t1=0.1, per_token=0.03, draft=0.05))  # drafting nearly pays: probe often
-    assert near.probe_after(1, 1, [[0.6]]) < spacing
+    assert near.probe_after(1, 1, expected_speedup(near.costs, 1, 1, [[0.6]])) < spacing
 
 
 def test_policy_without_measurements_keeps_its_gamma():

@@ -58,7 +58,7 @@ COMPARE_COLUMNS = {"name": "run", "tokens_per_s": "tokens/s (median)", "speedup"
                    "tokens_per_iteration": "tokens / iteration", "median_verify_ms": "verify µs (median)",
                    "equals_target_only": "= target-only", "output_text": "output"}
 POLICY_CHOICES = [
-    ("auto: cost for text; for speech bass for a batch, else hf", "auto"),
+    ("auto: bass for a batch, else hf", "auto"),
     ("constant: always the initial γ", "constant"),
     ("hf: +2 after all accepted, −1 otherwise (transformers)", "hf"),
     ("bass: grows when any sequence kept all, shrinks on misses (BASS)", "bass"),

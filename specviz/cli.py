@@ -99,7 +99,7 @@ def _add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     v.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                    help=f"sequences decoded together at most (default {DEFAULT_BATCH}); more run in consecutive groups")
     v.add_argument("--gamma-policy", default=None, choices=GAMMA_POLICIES,
-                   help="default: cost for text; for speech bass when several sequences decode together, else hf. cost: the γ with the best expected "
+                   help="default: bass when several sequences decode together, else hf. cost: the γ with the best expected "
                         "tokens/s from the measured call costs, 0 (a plain target step) when none pays")
     v.add_argument("--gamma", type=int, default=None, help="initial γ (default: the policy's own)")
     v.add_argument("--lenience", type=float, default=1.0, help="Leviathan A.5; 1 = exact")
@@ -121,7 +121,7 @@ def _config(args: argparse.Namespace, mode: str, batch: int, speech: bool = Fals
     return SpecConfig(
         mode=mode,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
-        gamma_policy=args.gamma_policy or default_policy(min(batch, args.batch_size), speech),
+        gamma_policy=args.gamma_policy or default_policy(min(batch, args.batch_size)),
         gamma_init=args.gamma,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,

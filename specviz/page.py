@@ -51,7 +51,7 @@ class Settings:
     temperature: float = 0.8
     top_k: int = 0
     top_p: float = 1.0
-    gamma_policy: str = "auto"  # auto: cost for text; speech: bass for a batch, hf for one sequence
+    gamma_policy: str = "auto"  # auto: bass for a batch, hf for one sequence
     gamma_init: int = 0  # 0: the policy's default
     max_new_tokens: int = 96
     seed: int = 0
@@ -72,7 +72,7 @@ class Settings:
         sampling = SamplingConfig() if self.decoding == "greedy" else SamplingConfig(
             self.temperature, int(self.top_k), self.top_p)
         batch = self.sequences if task == TEXT else 1
-        policy = default_policy(batch, task == SPEECH) if self.gamma_policy == "auto" else self.gamma_policy
+        policy = default_policy(batch) if self.gamma_policy == "auto" else self.gamma_policy
         return SpecConfig(
             mode=self.mode, sampling=sampling, gamma_policy=policy,
             gamma_init=int(self.gamma_init) or None, max_new_tokens=int(self.max_new_tokens), seed=int(self.seed),

@@ -76,9 +76,8 @@ def test_a_row_that_kept_its_shorter_draft_counts_as_all_accepted():
     assert b.current() == 6
 
 
-def test_default_policy_is_cost_for_text_and_bass_or_hf_for_speech():
-    assert default_policy(1) == "cost" and default_policy(4) == "cost"
-    assert default_policy(1, speech=True) == "hf" and default_policy(4, speech=True) == "bass"
+def test_default_policy_is_bass_for_batches():
+    assert default_policy(1) == "hf" and default_policy(4) == "bass"
 
 
 def test_make_policy_initial():

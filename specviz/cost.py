@@ -272,10 +272,7 @@ def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
 
 def expected_speedup(costs: CostModel, batch: int, gamma: int, alphas_by_row: Sequence[Sequence[float]]) -> float:
     """Tokens per second with γ over target-only's, for a batch of len(alphas_by_row) rows."""
-    if gamma == 0:
-        return 1.0
-    tokens = sum(expected_tokens(a, gamma) for a in alphas_by_row)
-    return tokens * costs.plain_s(batch) / (batch * costs.iteration_s(batch, gamma))
+    return speedups(costs, batch, alphas_by_row, gamma)[gamma]
 
 
 def speedups(costs: CostModel, batch: int, alphas_by_row: Sequence[Sequence[float]],

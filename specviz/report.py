@@ -70,7 +70,7 @@ def prediction_markdown(trace: Trace) -> str:
     ms = {k: 1e3 * v for k, v in p.split_s.items()}
     rows = f" (batch of {p.batch})" if p.batch > 1 else ""
     return (f"**Predicted: {p.speedup:.2f}×** from this run's measured call costs and α by draft position (a "
-            f"prediction, beside the measurement above) · a drafting iteration{rows} at γ = {p.gamma}: draft "
+            f"prediction, beside the measurement above) · a drafting iteration{rows} at γ = {p.gamma}, medians: draft "
             f"{ms['draft']:.0f} ms + target {ms['target']:.0f} ms + verify {ms['verify']:.1f} ms + other "
             f"{ms['other']:.1f} ms, against {1e3 * p.plain_s:.0f} ms per target-only step · tokens per "
             f"iteration: {p.measured_tokens_per_iteration:.2f} kept, {p.tokens_per_iteration:.2f} predicted  \n"

@@ -543,7 +543,7 @@ def _speculate(rows: list[Row], draft: SlottedDecoder | None, target: SlottedDec
             draft.rollback(draft_keep)
         policy.update(Feedback(
             gamma, lengths, host.n_accepted,
-            {dec.sequence: [a for a, o in zip(dec.accept_prob, dec.outcome) if o != DISCARDED] for dec in decisions},
+            {dec.sequence: dec.examined_accept_probs for dec in decisions},
             t1 - t0, t2 - t1,
         ))
         step = _step(index, gamma, rows, (draft, target), t1 - t0, t2 - t1, t3 - t2, clock.now() - start, explain_s)

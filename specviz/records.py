@@ -74,6 +74,17 @@ class Decision:
         """The tokens this iteration appended to the sequence's output."""
         return (self.draft_ids[: self.n_accepted] + [self.next_id])[: self.emitted]
 
+    @property
+    def examined_accept_probs(self) -> list[float]:
+        """min(1, p/(l·q)) of the drafts verification examined (up to and including the first rejection).
+
+        The one definition behind every α specviz shows or uses (Trace.alpha_estimate, the acceptance
+        figure, the γ policies' feedback): each is the chance its context accepts a draft sample, so their
+        mean estimates α = 1 − D_LK (Leviathan §3); drafts after a rejection are left out because their
+        contexts never occur in the output.
+        """
+        return [a for a, o in zip(self.accept_prob, self.outcome) if o != DISCARDED]
+
 
 @dataclass(frozen=True)
 class StepRecord:

@@ -130,7 +130,7 @@ class Trace:
         because their contexts never occur in the output. `sequence`: that sequence's drafts only.
         """
         probs = [a for d in self.drafted() if sequence is None or d.sequence == sequence
-                 for a, o in zip(d.accept_prob, d.outcome) if o != DISCARDED]
+                 for a in d.examined_accept_probs]
         return sum(probs) / len(probs) if probs else None
 
     def alpha_by_position(self) -> list[float]:
@@ -139,9 +139,7 @@ class Trace:
         sums: list[float] = []
         counts: list[int] = []
         for d in self.drafted():
-            for k, (a, o) in enumerate(zip(d.accept_prob, d.outcome)):
-                if o == DISCARDED:
-                    break
+            for k, a in enumerate(d.examined_accept_probs):
                 if k == len(sums):
                     sums.append(0.0)
                     counts.append(0)

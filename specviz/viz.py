@@ -480,7 +480,7 @@ _ALPHA_NOTE = ("α: mean of min(1, p/q) over examined drafts (the chance a draft
 def _running_alpha(rows: list[tuple]) -> list[float | None]:
     running, total, count = [], 0.0, 0
     for _, ds in rows:
-        probs = [a for d in ds for a, o in zip(d.accept_prob, d.outcome) if o != DISCARDED]
+        probs = [a for d in ds for a in d.examined_accept_probs]
         total += sum(probs)
         count += len(probs)
         running.append(total / count if count else None)

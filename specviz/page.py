@@ -28,103 +28,16 @@ import torch
 from . import report, viz
 from .audio import load_audio
 from .compare import compare, hf_assisted_runs, noise, source_runner
-from .config import DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range, draft_defaults
+from .config import MODES, SpecConfig
 from .engine import Source
-from .gamma import default_policy
 from .models import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
 from .prompts import InputError, check_article_size
 from .records import Iteration
 from .runs import builder_for, records
+from .settings import SPEECH, TEXT, Settings, declaration
 from .text import article_source
 from .trace import Trace
 from .verify import kernels_active
-
-TEXT, SPEECH = "summarize", "transcribe"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The page's controls, as plain values."""
-
-    mode: str = "exact"
-    decoding: str = "sample"  # sample | greedy: sampling by default, so p, q and the uniforms mean something
-    temperature: float = 0.8
-    top_k: int = 0
-    top_p: float = 1.0
-    gamma_policy: str = "auto"  # auto: bass for a batch, hf for one sequence
-    gamma_init: int = 0  # 0: the policy's default
-    max_new_tokens: int = 96
-    seed: int = 0
-    sigmoid_alpha: float | None = None  # None: Wagner et al.'s default for the task
-    sigmoid_beta: float | None = None
-    lenience: float = 1.0
-    draft_confidence: float = 0.0
-    draft: str = DEFAULT
-    target: str = DEFAULT
-    sequences: int = 1  # samples of the article decoded together (text only)
-    draft_kind: str = "auto"  # auto: the task's measured default (config.draft_defaults)
-    draft_vocab: str = "auto"  # "auto", or a token count ("0": the whole vocabulary)
-    lookup_ngram: int = 0  # 0: the task's default
-
-    def spec(self, task: str) -> SpecConfig:
-        scale = default_sigmoid_range(task == SPEECH)
-        drafts = draft_defaults(task == SPEECH)
-        sampling = SamplingConfig() if self.decoding == "greedy" else SamplingConfig(
-            self.temperature, int(self.top_k), self.top_p)
-        batch = self.sequences if task == TEXT else 1
-        policy = default_policy(batch) if self.gamma_policy == "auto" else self.gamma_policy
-        return SpecConfig(
-            mode=self.mode, sampling=sampling, gamma_policy=policy,
-            gamma_init=int(self.gamma_init) or None, max_new_tokens=int(self.max_new_tokens), seed=int(self.seed),
-            lenience=self.lenience, draft_confidence=self.draft_confidence,
-            sigmoid_alpha=-scale if self.sigmoid_alpha is None else self.sigmoid_alpha,
-            sigmoid_beta=scale if self.sigmoid_beta is None else self.sigmoid_beta,
-            draft_kind=drafts.draft_kind if self.draft_kind == "auto" else self.draft_kind,
-            draft_vocab=drafts.draft_vocab if self.draft_vocab == "auto" else int(self.draft_vocab),
-            lookup_ngram=int(self.lookup_ngram) or drafts.lookup_ngram,
-        )
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> "Settings":
-        """The settings a trace was made with (meta["page_settings"], written by the page); for a trace of
-        another origin, what its config says. A trace is untrusted: a value that the page's control could not
-        hold (wrong type, unknown choice, out of range) is replaced by the default."""
-        saved = meta.get("page_settings")
-        if not isinstance(saved, dict):
-            config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-            sampling = config.get("sampling") if isinstance(config.get("sampling"), dict) else {}
-            greedy = sampling.get("temperature") == 0
-            saved = {"mode": meta.get("mode"), "max_new_tokens": config.get("max_new_tokens"),
-                     "seed": config.get("seed"), "gamma_policy": config.get("gamma_policy"),
-                     "decoding": "greedy" if greedy else "sample",
-                     "temperature": None if greedy else sampling.get("temperature"), "top_k": sampling.get("top_k"),
-                     "top_p": sampling.get("top_p"), "lenience": config.get("lenience")}
-        kept = {f.name: saved[f.name] for f in dataclasses.fields(cls)
-                if f.name in saved and _restorable(f.name, saved[f.name], f.default)}
-        return cls(**kept)
-
-
-DRAFT_VOCAB_CHOICES = ("auto", "0", "4096", "8192", "16384", "32768", "65536")  # the page's draft-head sizes
-_CHOICES = {"mode": MODES, "decoding": ("sample", "greedy"), "gamma_policy": ("auto", *GAMMA_POLICIES),
-            "draft_kind": ("auto", *DRAFT_KINDS), "draft_vocab": DRAFT_VOCAB_CHOICES}
-_RANGES = {"temperature": (0.05, 2.0), "top_k": (0, 1 << 20), "top_p": (0.05, 1.0), "gamma_init": (0, 64),
-           "max_new_tokens": (8, 256), "seed": (0, 1 << 53), "lenience": (0.05, 1.0), "draft_confidence": (0.0, 0.95),
-           "sequences": (1, 8), "lookup_ngram": (0, 5), "sigmoid_alpha": (-1e12, 1e12), "sigmoid_beta": (-1e12, 1e12)}
-
-
-def _restorable(name: str, value: Any, default: Any) -> bool:
-    """Whether the page's control for `name` can hold `value`."""
-    if name in _CHOICES:
-        return value in _CHOICES[name]
-    if isinstance(default, str):
-        return isinstance(value, str) and 0 < len(value) <= 500
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return value is None and default is None
-    if isinstance(default, int) and not isinstance(value, int):
-        return False
-    low, high = _RANGES[name]
-    return low <= value <= high
-
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
@@ -308,8 +221,9 @@ def _article_source(models: ModelCache, article: str, settings: Settings, cfg: S
     if not article or not article.strip():
         raise InputError("the article is empty: paste some text or load the sample")
     check_article_size(article)  # before minutes go into loading models
-    if not 1 <= settings.sequences <= 8:
-        raise InputError(f"the page decodes 1 to 8 sequences at once, not {settings.sequences}")
+    low, high = declaration("sequences").page_range
+    if not low <= settings.sequences <= high:
+        raise InputError(f"the page decodes {low:g} to {high:g} sequences at once, not {settings.sequences}")
     pair = models.text(settings.draft, settings.target, progress)
     return article_source(pair, [("article", article)], cfg, settings.sequences)
 
@@ -338,7 +252,7 @@ def stream_run(models: ModelCache, task: str, source_input: str | None, settings
     cfg = settings.spec(task)
     source = _source(models, task, source_input, settings, cfg, progress)
     shown = source_input if task == TEXT else Path(source_input).name
-    meta = {"input": shown, "page_settings": dataclasses.asdict(settings)}
+    meta = {"input": shown, "page_settings": settings.to_dict()}
     return _streamed(source, cfg, meta, stop)
 
 
@@ -415,8 +329,8 @@ def compare_modes(models: ModelCache, task: str, source_input: str | None, setti
     rows, traces = compare(source_runner(decoded), dataclasses.replace(cfg, mode="exact"), extra=extra,
                            repeat=rounds, on_stage=on_stage)
     for trace in traces.values():
-        trace.meta.setdefault("page_settings", dataclasses.asdict(dataclasses.replace(
-            settings, mode=trace.meta.get("mode") if trace.meta.get("mode") in MODES else settings.mode)))
+        trace.meta.setdefault("page_settings", dataclasses.replace(
+            settings, mode=trace.meta.get("mode") if trace.meta.get("mode") in MODES else settings.mode).to_dict())
         trace.meta.setdefault("input", source_input if task == TEXT else Path(source_input).name)
     decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
     note = report.compare_note([r.as_dict() for r in rows], rounds, noise(rows), decoding)

@@ -14,6 +14,7 @@ from specviz import page, report
 from specviz.compare import compare, noise, source_runner
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.runs import run
+from specviz.settings import Settings
 from specviz.trace import Trace
 
 from conftest import decode, prompts_source
@@ -74,15 +75,15 @@ def test_stops_table_is_per_session():
 
 def test_reference_is_measured_once_and_reused(tiny_pair):
     models, references = _Models(tiny_pair), page.References()
-    settings = page.Settings(max_new_tokens=8, target="tiny")
+    settings = Settings(max_new_tokens=8, target="tiny")
     article = "w1 w2 w3 w4 w5 w6"
     first = page.measure_reference(models, references, page.TEXT, article, settings, lambda m, f: None, page.StopFlag())
     again = page.measure_reference(models, references, page.TEXT, article, settings, lambda m, f: None, page.StopFlag())
     assert not first["reused"] and again["reused"] and first["decode_tokens_per_s"] == again["decode_tokens_per_s"]
     assert first["new_tokens"] == 8
-    other = page.References.key(page.TEXT, article, page.Settings(max_new_tokens=8, target="tiny", seed=1))
+    other = page.References.key(page.TEXT, article, Settings(max_new_tokens=8, target="tiny", seed=1))
     assert other != page.References.key(page.TEXT, article, settings)  # another seed is another reference
-    draft_only = page.Settings(max_new_tokens=8, target="tiny", mode="sigmoid", draft_kind="lookup")
+    draft_only = Settings(max_new_tokens=8, target="tiny", mode="sigmoid", draft_kind="lookup")
     assert page.References.key(page.TEXT, article, draft_only) == page.References.key(page.TEXT, article, settings)
 
 
@@ -114,14 +115,14 @@ def test_compare_rounds_report_spread(tiny_pair, prompt_ids):
 
 
 def test_settings_restore_from_page_and_cli_traces(tiny_pair, prompt_ids):
-    settings = page.Settings(mode="sigmoid", temperature=0.5, sequences=2, max_new_tokens=64, draft_vocab="4096")
-    assert page.Settings.from_meta({"page_settings": dataclasses.asdict(settings)}) == settings
+    settings = Settings(mode="sigmoid", temperature=0.5, sequences=2, max_new_tokens=64, draft_vocab="4096")
+    assert Settings.from_meta({"page_settings": settings.to_dict()}) == settings
     hostile = {"page_settings": {"mode": "<img src=x>", "temperature": 99.0, "draft_vocab": "7", "seed": True,
                                  "max_new_tokens": 64, "draft": ""}}
-    restored = page.Settings.from_meta(hostile)
-    assert restored == page.Settings(max_new_tokens=64)
+    restored = Settings.from_meta(hostile)
+    assert restored == Settings(max_new_tokens=64)
     cli = decode(tiny_pair, [prompt_ids], SpecConfig(mode="baseline", max_new_tokens=24, seed=3))
-    from_cli = page.Settings.from_meta(cli.meta)
+    from_cli = Settings.from_meta(cli.meta)
     assert (from_cli.mode, from_cli.decoding, from_cli.max_new_tokens, from_cli.seed) == ("baseline", "greedy", 24, 3)
 
 
@@ -148,5 +149,5 @@ def test_compare_refuses_bad_settings_with_a_message(tiny_pair, task, rounds, wi
     models = _Models(tiny_pair)
     models.speech = lambda draft, target, progress: pytest.fail("no model may load for a refused comparison")
     with pytest.raises(InputError, match=message):
-        page.compare_modes(models, task, "w1 w2 w3", page.Settings(max_new_tokens=8), lambda m, f: None,
+        page.compare_modes(models, task, "w1 w2 w3", Settings(max_new_tokens=8), lambda m, f: None,
                            lambda name: None, rounds=rounds, with_hf=with_hf)

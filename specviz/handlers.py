@@ -1,0 +1,238 @@
+"""The page's event handlers: named inputs in, named component updates out.
+
+Each handler takes the page's shared `Server` and a dict of input values keyed by component name, and
+returns (or yields) a dict keyed by component name holding only what changes; app.py maps names to
+components and wires events. So every handler is importable and testable without a browser.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import gradio as gr
+import pandas as pd
+
+from . import page
+from .prompts import ASSETS, sample_article
+from .settings import TEXT, Settings, page_names
+from .trace import Trace, TraceFormatError
+from .viz import compare_figure, why_html
+
+Updates = dict[str, Any]
+Values = Mapping[str, Any]
+Progress = Callable[[str, "float | None"], None]
+
+SAMPLE_AUDIO = str(ASSETS / "sample_speech.flac")
+SAMPLE_TRANSCRIPT = (ASSETS / "sample_speech.txt").read_text(encoding="utf-8").strip()
+PLOTS = ("gamma", "acceptance", "timing", "verify", "theory", "batch")
+VIEW = ("output", "summary", "warning", "tokens", *(f"{name}_plot" for name in PLOTS))  # what a trace redraws
+COMPARE_COLUMNS = {"name": "run", "tokens_per_s": "tokens/s (median)", "speedup": "speedup (median)",
+                   "speedup_range": "speedup min–max", "decode_tokens_per_s": "decoding tokens/s", "alpha": "α",
+                   "tokens_per_iteration": "tokens / iteration", "median_verify_ms": "verify µs (median)",
+                   "equals_target_only": "= target-only", "output_text": "output"}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who triggered an event: the browser session (its runs, its Stop) and where progress goes."""
+
+    session: str
+    progress: Progress
+
+
+@dataclass(frozen=True)
+class Server:
+    """What all sessions of one page share. Each member guards itself: models load once under a per-pair
+    lock, the Stop table and the reference table take their own locks."""
+
+    models: page.ModelCache
+    stops: page.Stops
+    references: page.References
+
+
+def stamp(message: str) -> str:
+    """Status lines carry the time, so a repeated message still reads as new."""
+    return f'<span class="sv-status">[{time.strftime("%H:%M:%S")}] {message}</span>'
+
+
+def error(e: Exception) -> str:
+    return stamp(f'<span class="error">⚠ {type(e).__name__}: {html.escape(str(e))}</span>')
+
+
+def settings_of(values: Values) -> Settings:
+    return Settings.from_values({name: values[name] for name in page_names() if name in values})
+
+
+def views(trace: Trace, upto: int | None = None) -> Updates:
+    """Everything drawn from a trace; plots without content (a target-only run's γ) are hidden."""
+    f = page.figures(trace, upto)
+    drafted = bool(trace.drafted())
+    shown = {name: drafted or name == "timing" for name in PLOTS}
+    shown["batch"] = len(trace.sequences) > 1
+    return {"output": f["output"], "summary": f["summary"], "warning": f["warning"], "tokens": f["tokens"],
+            **{f"{name}_plot": gr.Plot(f[name], visible=shown[name]) for name in PLOTS}}
+
+
+def _replay_at_end(trace: Trace) -> gr.Slider:
+    return gr.Slider(minimum=0, maximum=max(len(trace.steps), 1), value=len(trace.steps))
+
+
+def _download(trace: Trace) -> gr.DownloadButton:
+    return gr.DownloadButton(value=page.export(trace), interactive=True)
+
+
+def busy(values: Values) -> Updates:
+    """Run and Compare off, Stop on, while this session's run is queued or going."""
+    return {"status": stamp("Queued: waiting for a free worker…"), "run_button": gr.Button(interactive=False),
+            "compare_button": gr.Button(interactive=False), "stop_button": gr.Button(interactive=True)}
+
+
+def idle(values: Values) -> Updates:
+    return {"run_button": gr.Button(interactive=True), "compare_button": gr.Button(interactive=True),
+            "stop_button": gr.Button(interactive=False)}
+
+
+def _source_input(values: Values) -> str | None:
+    return values["article"] if values["task"] == TEXT else values["audio"]
+
+
+def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    """Decode the input with the settings, streaming the trace; then measure target-only for the speedup
+    (reused when an identical run measured it). Any failure is shown in the status line."""
+    stop = server.stops.start(caller.session)
+    task, progress = values["task"], caller.progress
+    try:
+        settings = settings_of(values)
+        source_input = _source_input(values)
+        yield {"status": stamp("Loading models and reading the input…"), "export": gr.DownloadButton(interactive=False),
+               "results": gr.Tabs(selected="run-results")}
+        stream = page.stream_run(server.models, task, source_input, settings, progress, stop)
+        yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
+                               "the first iteration)…")}
+        trace = None
+        for trace, done in stream:
+            if done:
+                reference = values["reference_summary"] if task == TEXT else values["reference_transcript"]
+                page.score(trace, task, reference or "")
+                note = ("Stopped" if trace.meta.get("stopped") else "Done") + \
+                    f": {trace.new_tokens} tokens in {len(trace.steps)} iterations."
+                yield {"status": stamp(note), "trace": trace, "export": _download(trace),
+                       "replay": _replay_at_end(trace), **views(trace)}
+            else:
+                yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens"),
+                       "trace": trace, "replay": _replay_at_end(trace), **views(trace)}
+        if trace is None or trace.meta.get("stopped") or not values["measure"]:
+            return
+        yield {"status": stamp("Done. Measuring target-only on the same input and settings for the speedup…")}
+        reference = page.measure_reference(server.models, server.references, task, source_input, settings, progress,
+                                           stop)
+        if reference is None:
+            yield {"status": stamp("Done (the target-only reference was stopped: speedup not measured).")}
+            return
+        trace.meta["target_only"] = reference
+        yield {"status": stamp(f"Done: {trace.new_tokens} tokens in {len(trace.steps)} iterations; speedup measured."),
+               "trace": trace, "export": _download(trace), **views(trace)}
+    except Exception as e:  # any failure is shown in the page, which stays usable
+        yield {"status": error(e)}
+    finally:
+        server.stops.end(caller.session, stop)
+
+
+def stop(server: Server, values: Values, caller: Caller) -> Updates:
+    if server.stops.stop(caller.session, "Stop pressed"):
+        return {"status": stamp("Stopping after the current iteration…")}
+    return {}
+
+
+def unload(server: Server, session: str) -> None:
+    server.stops.stop(session, "the browser session closed")
+
+
+def compare_table(rows: list[dict]) -> pd.DataFrame:
+    table = pd.DataFrame([{**r, "speedup_range": f"{r['speedup_min']:.2f}–{r['speedup_max']:.2f}",
+                           "median_verify_ms": None if r["median_verify_ms"] is None else 1e3 * r["median_verify_ms"]}
+                          for r in rows])
+    return table[list(COMPARE_COLUMNS)].rename(columns=COMPARE_COLUMNS).round(3)
+
+
+def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    """Every mode and target-only on the same input and seed, in interleaved rounds."""
+    try:
+        settings = settings_of(values)
+        rounds = int(values["rounds"])
+        yield {"status": stamp("Comparing: loading models…"), "results": gr.Tabs(selected="compare-results")}
+        stages: list[str] = []
+
+        def on_stage(name: str) -> None:
+            stages.append(name)
+            caller.progress(f"running {name} (run {len(stages)})", None)
+
+        rows, traces, note = page.compare_modes(server.models, values["task"], _source_input(values), settings,
+                                                caller.progress, on_stage, rounds=rounds, with_hf=bool(values["with_hf"]))
+        names = list(traces)
+        yield {"status": stamp(f"Comparison done: {rounds} round(s), same input and seed for every run."),
+               "compare_table": compare_table(rows), "compare_note": note, "compare_plot": compare_figure(rows),
+               "compare_state": traces, "compare_pick": gr.Dropdown(choices=names, value=names[0] if names else None)}
+    except Exception as e:
+        yield {"status": error(e)}
+
+
+def opened(trace: Trace, how: str) -> Updates:
+    """Show a trace in the main view with its settings and input restored, ready to export."""
+    text = trace.meta.get("input") if trace.meta.get("task") == TEXT else None
+    restored = Settings.from_meta(trace.meta).to_dict()
+    updates = {"status": stamp(how), "trace": trace, "export": _download(trace),
+               "results": gr.Tabs(selected="run-results"), "replay": _replay_at_end(trace), **views(trace),
+               **{name: restored[name] for name in page_names()}}
+    if isinstance(text, str) and text.strip():
+        updates["article"] = text
+    return updates
+
+
+def upload(values: Values) -> Updates:
+    """Load a trace file: redraw it and restore its settings; a file that cannot be drawn is refused."""
+    file = values["trace_upload"]
+    if file is None:
+        return {}
+    path = file if isinstance(file, str) else file.name
+    try:
+        trace = Trace.load(path)
+        views(trace)  # a trace that loads but cannot be drawn is refused too
+    except (TraceFormatError, OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        return {"status": error(e)}
+    return opened(trace, f"Loaded trace {html.escape(Path(path).name)} ({len(trace.steps)} iterations; no model "
+                         f"was run; its settings are restored).")
+
+
+def open_compared(values: Values) -> Updates:
+    traces, name = values["compare_state"], values["compare_pick"]
+    if not traces or name not in traces:
+        return {"status": stamp("Run a comparison first, then pick one of its runs.")}
+    return opened(traces[name], f"Opened the {html.escape(name)} run of the comparison.")
+
+
+def replay(values: Values) -> Updates:
+    trace = values["trace"]
+    return {} if trace is None else views(trace, int(values["replay"]))
+
+
+def why(values: Values) -> Updates:
+    """The why-panel for the token the page's script wrote as "step,sequence,position,nonce"."""
+    trace = values["trace"]
+    try:
+        step, seq, pos = (int(x) for x in (values["why_select"] or "").split(",")[:3])
+    except ValueError:
+        return {}
+    return {} if trace is None else {"why_panel": why_html(trace, step, seq, pos)}
+
+
+def sample_text(values: Values) -> Updates:
+    return {"article": sample_article()}
+
+
+def sample_audio(values: Values) -> Updates:
+    return {"audio": SAMPLE_AUDIO, "reference_transcript": SAMPLE_TRANSCRIPT}

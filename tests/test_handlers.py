@@ -1,0 +1,123 @@
+"""The page's handlers, called as plain functions (no browser, no Gradio server): named inputs in, named
+updates out, only for components the event lists as outputs."""
+
+from __future__ import annotations
+
+import json
+
+import gradio as gr
+
+import app
+from specviz import handlers, page, settings
+from specviz.config import SpecConfig
+from specviz.runs import run
+from specviz.settings import TEXT, Settings
+from specviz.text import article_source
+from specviz.trace import Trace
+
+from conftest import decode
+
+
+def _server(pair) -> handlers.Server:
+    return handlers.Server(page.ModelCache(loader=lambda draft, target, progress: pair), page.Stops(),
+                           page.References())
+
+
+def _values(**overrides) -> dict:
+    values = {"task": TEXT, "article": "w5 w9 w13 w2 w7 w5 w9 w13 w4", "audio": None, "reference_summary": "",
+              "reference_transcript": "", "measure": False, **Settings().to_dict()}
+    values.update(overrides)
+    return values
+
+
+def _caller(session: str = "s1") -> tuple[handlers.Caller, list]:
+    messages: list = []
+    return handlers.Caller(session, lambda message, fraction: messages.append(message)), messages
+
+
+def test_run_streams_named_updates_and_ends_with_the_trace(tiny_pair):
+    caller, _ = _caller()
+    updates = list(handlers.run(_server(tiny_pair), _values(decoding="greedy", max_new_tokens=8, measure=True),
+                                caller))
+    for u in updates:
+        assert set(u) <= set(app.SHOWN), set(u) - set(app.SHOWN)
+    final = updates[-1]
+    assert "speedup measured" in final["status"]
+    trace = final["trace"]
+    assert isinstance(trace, Trace) and trace.meta["target_only"]["reused"] is False
+    # the page's run is the engine's run: the same greedy output as the same settings decoded without the page
+    cfg = Settings(decoding="greedy", max_new_tokens=8).spec(TEXT)
+    direct = run(article_source(tiny_pair, [("article", _values()["article"])], cfg), cfg)
+    assert trace.new_tokens > 0 and trace.outputs == direct.outputs and trace.meta["config"] == cfg.to_dict()
+    assert isinstance(final["gamma_plot"], gr.Plot) and final["batch_plot"].visible is False
+    exported = json.loads(open(final["export"].value["path"], encoding="utf-8").read())
+    assert exported["meta"]["page_settings"]["decoding"] == "greedy"
+
+
+def test_run_shows_a_bad_setting_or_input_in_the_status_and_frees_the_session(tiny_pair):
+    server = _server(tiny_pair)
+    caller, _ = _caller("s2")
+    for values in (_values(article="   "), _values(temperature=99.0), _values(sequences=9)):
+        updates = list(handlers.run(server, values, caller))
+        assert set(updates[-1]) == {"status"} and "⚠" in updates[-1]["status"]
+        assert handlers.stop(server, {}, caller) == {}  # no run left registered for the session
+
+
+def test_stop_reaches_only_its_own_session(tiny_pair):
+    server = _server(tiny_pair)
+    caller, _ = _caller("mine")
+    going = handlers.run(server, _values(max_new_tokens=200, gamma_policy="constant", gamma_init=2), caller)
+    next(going)
+    next(going)  # the stream is started: the run is registered
+    other, _ = _caller("theirs")
+    assert handlers.stop(server, {}, other) == {}
+    assert "Stopping" in handlers.stop(server, {}, caller)["status"]
+    final = list(going)[-1]
+    assert final["trace"].meta["stopped"] is True and final["status"].count("Stopped") == 1
+
+
+def test_compare_fills_the_compare_tab(tiny_pair):
+    caller, messages = _caller()
+    updates = list(handlers.compare(_server(tiny_pair), _values(rounds=1, with_hf=False, max_new_tokens=6,
+                                                                decoding="greedy"), caller))
+    for u in updates:
+        assert set(u) <= set(app.COMPARE_OUTPUTS)
+    final = updates[-1]
+    assert list(final["compare_table"]["run"]) == ["target-only", "baseline", "exact", "sigmoid"]
+    assert set(final["compare_state"]) == {"target-only", "baseline", "exact", "sigmoid"}
+    assert any("running exact" in m for m in messages)
+    opened = handlers.open_compared({"compare_state": final["compare_state"], "compare_pick": "sigmoid"})
+    assert set(opened) <= set(app.RESTORED) and opened["mode"] == "sigmoid"
+
+
+def test_upload_restores_the_settings_or_says_why_not(tiny_pair, prompt_ids, tmp_path):
+    trace = decode(tiny_pair, [prompt_ids], SpecConfig(mode="baseline", max_new_tokens=6, seed=4))
+    good = tmp_path / "good.json"
+    trace.save(good)
+    opened = handlers.upload({"trace_upload": str(good)})
+    assert set(opened) <= set(app.RESTORED)
+    assert set(settings.page_names()) <= set(opened)
+    assert (opened["mode"], opened["seed"], opened["decoding"]) == ("baseline", 4, "greedy")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 3, "steps": "many"}')
+    refused = handlers.upload({"trace_upload": str(bad)})
+    assert set(refused) == {"status"} and "TraceFormatError" in refused["status"]
+    assert handlers.upload({"trace_upload": None}) == {}
+
+
+def test_replay_and_why_take_malformed_input_quietly(tiny_pair, prompt_ids):
+    trace = decode(tiny_pair, [prompt_ids], SpecConfig(max_new_tokens=6))
+    assert handlers.replay({"trace": None, "replay": 3}) == {}
+    assert set(handlers.replay({"trace": trace, "replay": 1})) == set(app.VIEW)
+    for picked in ("", "x,y,z", "1,2", None):
+        assert handlers.why({"trace": trace, "why_select": picked}) == {}
+    assert "sv-why" in handlers.why({"trace": trace, "why_select": "0,0,0,123"})["why_panel"]
+    assert handlers.why({"trace": None, "why_select": "0,0,0,1"}) == {}
+
+
+def test_buttons_and_samples_update_only_their_outputs():
+    assert set(handlers.busy({})) == {"status", *app.BUTTONS}
+    assert set(handlers.idle({})) == set(app.BUTTONS)
+    assert handlers.idle({})["stop_button"].interactive is False
+    assert set(handlers.sample_audio({})) == {"audio", "reference_transcript"}
+    assert handlers.sample_text({})["article"].strip()

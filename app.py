@@ -175,7 +175,7 @@ def _run_results(c: dict[str, Any]) -> None:
 def _compare_results(c: dict[str, Any]) -> None:
     c["compare_note"] = gr.Markdown("Press **Compare all modes**: target-only, baseline, exact and sigmoid on the same "
                                     "input and seed, in interleaved rounds.", elem_id="compare-note")
-    c["compare_table"] = gr.Dataframe(headers=list(COMPARE_COLUMNS.values()), interactive=False, wrap=True,
+    c["compare_table"] = gr.Dataframe(headers=list(COMPARE_COLUMNS), interactive=False, wrap=True,
                                       elem_id="compare-table")
     c["compare_plot"] = gr.Plot(elem_id="compare-plot", show_label=False)
     with gr.Row():

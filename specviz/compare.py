@@ -15,16 +15,25 @@ from .config import MODES, SpecConfig
 from .engine import Source
 from .models import ModelPair
 from .prediction import predict
+from . import speedup
 from .runs import DEFAULT_BATCH, run
+from .speedup import Speedup
 from .trace import SequenceTrace, Trace
 
 
-@dataclass
+@dataclass(frozen=True)
 class Row:
+    """One run of a comparison, over its rounds: the median run's facts and the per-round speedups' spread."""
+
     name: str
     tokens_per_s: float  # median over rounds of all sequences' tokens over the run's wall time
     tokens_per_s_per_sequence: float  # mean over sequences of tokens over the time until it finished
-    speedup: float  # median over rounds of tokens/s over target-only's in the same round (same input and seed)
+    # Medians over rounds of the round's speedup.measured over target-only's in the same round (same input
+    # and seed): end to end (prefill included), with its lowest and highest round, and decoding alone.
+    speedup_end_to_end: float
+    speedup_end_to_end_min: float
+    speedup_end_to_end_max: float
+    speedup_decode: float
     alpha: float | None
     tokens_per_iteration: float | None
     median_verify_ms: float | None
@@ -33,27 +42,39 @@ class Row:
     total_s: float
     output_text: str
     tokens_per_s_runs: list[float]  # one per round, in round order
-    speedup_min: float  # the lowest and highest per-round speedups: the spread of `speedup`
-    speedup_max: float
     decode_tokens_per_s: float  # the median run's tokens over its decoding time (prefill left out); the median
     # run (by wall time) also gives the row's α, tokens per iteration, verify time and output
     predicted_speedup: float | None = None  # what the median run's measured call costs predict (specviz.prediction)
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
+    def to_dict(self) -> dict:
+        """For a results file (the CLI's --json)."""
+        return dataclasses.asdict(self)
+
+
+def _round_speedups(runs: list[Trace], references: list[Trace]) -> list[Speedup]:
+    """Round r's run over target-only's round r; a round whose reference decoded nothing counts as 0."""
+    out = []
+    for t, ref in zip(runs, references):
+        s = speedup.measured(t.decode_tokens_per_s, t.tokens_per_s, ref.decode_tokens_per_s, ref.tokens_per_s)
+        out.append(s or Speedup(decode=0.0, end_to_end=0.0))
+    return out
 
 
 def _row(name: str, runs: list[Trace], references: list[Trace]) -> Row:
-    """One row from a run's rounds; round r's speedup divides by target-only's round r."""
+    """One row from a run's rounds."""
     trace = _median_trace(runs)
     s = trace.summary()
-    ratios = sorted(t.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0 for t, ref in zip(runs, references))
+    rounds = _round_speedups(runs, references)
+    end_to_end = sorted(r.end_to_end for r in rounds)
     reference = _median_trace(references)
     return Row(
         name=name,
         tokens_per_s=statistics.median(t.tokens_per_s for t in runs),
         tokens_per_s_per_sequence=trace.per_sequence_tokens_per_s(),
-        speedup=statistics.median(ratios),
+        speedup_end_to_end=statistics.median(end_to_end),
+        speedup_end_to_end_min=end_to_end[0],
+        speedup_end_to_end_max=end_to_end[-1],
+        speedup_decode=statistics.median(r.decode for r in rounds),
         alpha=s.get("alpha"),
         tokens_per_iteration=s.get("tokens_per_iteration"),
         median_verify_ms=s.get("median_verify_ms"),
@@ -62,8 +83,6 @@ def _row(name: str, runs: list[Trace], references: list[Trace]) -> Row:
         total_s=trace.total_s,
         output_text=trace.output_text,
         tokens_per_s_runs=[t.tokens_per_s for t in runs],
-        speedup_min=ratios[0],
-        speedup_max=ratios[-1],
         decode_tokens_per_s=trace.decode_tokens_per_s,
         predicted_speedup=p.speedup if (p := predict(trace)) is not None else None,
     )

@@ -27,7 +27,7 @@ import torch
 
 from . import report, viz
 from .audio import load_audio
-from .compare import compare, hf_assisted_runs, noise, source_runner
+from .compare import Row, compare, hf_assisted_runs, noise, source_runner
 from .config import MODES, SpecConfig
 from .engine import Source
 from .models import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
@@ -312,7 +312,7 @@ def measure_reference(models: ModelCache, references: References, task: str, sou
 
 def compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
                   on_stage: Callable[[str], None], rounds: int = 3, with_hf: bool = False
-                  ) -> tuple[list[dict], dict[str, Trace], str]:
+                  ) -> tuple[list[Row], dict[str, Trace], str]:
     """Target-only, baseline, exact and sigmoid (and transformers' assisted generation when asked, text
     with one sequence) on the same input, batch and seed, in `rounds` interleaved rounds. Returns the rows,
     the median run of each, and a note on what the numbers mean and how noisy they were."""
@@ -333,9 +333,9 @@ def compare_modes(models: ModelCache, task: str, source_input: str | None, setti
             settings, mode=trace.meta.get("mode") if trace.meta.get("mode") in MODES else settings.mode).to_dict())
         trace.meta.setdefault("input", source_input if task == TEXT else Path(source_input).name)
     decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
-    note = report.compare_note([r.as_dict() for r in rows], rounds, noise(rows), decoding)
+    note = report.compare_note(rounds, noise(rows), decoding)
     drift = report.sigmoid_drift(traces)
-    return [r.as_dict() for r in rows], traces, note + ("  \n" + drift if drift else "")
+    return rows, traces, note + ("  \n" + drift if drift else "")
 
 
 def score(trace: Trace, task: str, reference: str) -> None:
@@ -360,14 +360,14 @@ def rouge1(reference: str, summary: str) -> float:
 def figures(trace: Trace, upto: int | None = None) -> dict[str, Any]:
     """Everything the page draws from a trace; `upto`: as it stood after that many iterations (replay)."""
     shown = trace.until(upto) if upto is not None else trace
-    speedup = report.measured_speedup(trace) if shown is trace else None
+    measured = report.measured_speedup(trace) if shown is trace else None
     return {
         "tokens": viz.token_html(trace, upto=upto),
         "gamma": viz.gamma_figure(trace, upto=upto),
         "acceptance": viz.acceptance_figure(trace, upto=upto),
         "timing": viz.timing_figure(trace, upto=upto),
         "verify": viz.verify_figure(trace, upto=upto),
-        "theory": viz.theory_figure(trace, upto=upto, measured_speedup=speedup["decode"] if speedup else None),
+        "theory": viz.theory_figure(trace, upto=upto, measured_speedup=measured.decode if measured else None),
         "batch": viz.batch_figure(trace, upto=upto),
         "summary": report.summary_markdown(shown),
         "warning": report.sigmoid_warning(shown),

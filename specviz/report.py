@@ -8,7 +8,9 @@ import html
 import time
 from typing import Any
 
+from . import speedup
 from .prediction import predict, sentence
+from .speedup import Speedup
 from .trace import Trace, json_number
 
 # sigmoid is called far from exact when its acceptance exceeds exact's on the same draws by more than this
@@ -29,35 +31,32 @@ def reference_meta(reference: Trace, reused: bool, measured_at: float) -> dict[s
             "outputs": reference.outputs}
 
 
-def measured_speedup(trace: Trace) -> dict[str, float] | None:
-    """Decode-only and end-to-end speedup over the target-only reference recorded in the trace."""
+def measured_speedup(trace: Trace) -> Speedup | None:
+    """The run's speedup over the target-only reference recorded in the trace (meta["target_only"])."""
     ref = trace.meta.get("target_only")
-    if not isinstance(ref, dict):
+    if not isinstance(ref, dict) or not trace.decode_tokens_per_s:
         return None
-    decode, total = number(ref, "decode_tokens_per_s"), number(ref, "tokens_per_s")
-    if not decode or not total or not trace.decode_tokens_per_s:
-        return None
-    return {"decode": trace.decode_tokens_per_s / decode, "total": trace.tokens_per_s / total,
-            "reference_decode_tokens_per_s": decode}
+    return speedup.measured(trace.decode_tokens_per_s, trace.tokens_per_s, number(ref, "decode_tokens_per_s"),
+                            number(ref, "tokens_per_s"))
 
 
 def _speedup_line(trace: Trace) -> str:
     if trace.meta.get("mode") == "target-only":
         return ""
-    speedup = measured_speedup(trace)
-    if speedup is None:
+    measured = measured_speedup(trace)
+    if measured is None:
         return ("Speedup not measured: tick “Measure the speedup against target-only” to run target-only on the "
                 "same input and settings once.")
     ref = trace.meta["target_only"]
-    verdict = "faster" if speedup["decode"] > 1.02 else "slower" if speedup["decode"] < 0.98 else "no faster"
+    verdict = "faster" if measured.decode > 1.02 else "slower" if measured.decode < 0.98 else "no faster"
     same = ref.get("outputs") == trace.outputs
     output_note = ("identical output" if same else
                    "different output (sampling: both follow the target's distribution, from different draws)"
                    if trace.meta.get("config", {}).get("sampling", {}).get("temperature") else "different output")
     when = html.escape(str(ref.get("measured_at", "")))[:40]
-    return (f"**Measured: {speedup['decode']:.2f}× target-only's decoding speed ({verdict})**, "
-            f"{speedup['total']:.2f}× with prefill included · target-only decoded "
-            f"{speedup['reference_decode_tokens_per_s']:.2f} tokens/s on the same input and settings "
+    return (f"**Measured: {measured.decode:.2f}× target-only's decoding speed ({verdict})**, "
+            f"{measured.end_to_end:.2f}× end to end (prefill included) · target-only decoded "
+            f"{number(ref, 'decode_tokens_per_s'):.2f} tokens/s on the same input and settings "
             f"({'reused from a run at ' if ref.get('reused') else 'run at '}{when}; {output_note}) · one run each: "
             f"Compare repeats runs and shows their spread")
 
@@ -178,13 +177,14 @@ def sigmoid_drift(traces: dict[str, Trace]) -> str:
     return line
 
 
-def compare_note(rows: list[dict], rounds: int, noise: float, decoding: str) -> str:
+def compare_note(rounds: int, noise: float, decoding: str) -> str:
     """What the comparison table's numbers are and how noisy they came out."""
     if rounds < 2:
         spread = "one round: no spread measured; the same comparison twice can differ by tens of percent on a loaded machine"
     else:
-        spread = (f"{rounds} interleaved rounds: speedup is the median of per-round ratios, with the lowest and "
-                  f"highest beside it; tokens/s varied by up to {100 * noise:.0f}% between rounds")
+        spread = (f"{rounds} interleaved rounds: each speedup is the median of per-round ratios (decoding: "
+                  f"prefill left out; end to end: prefill included), the end-to-end one with the lowest and highest "
+                  f"beside it; tokens/s varied by up to {100 * noise:.0f}% between rounds")
         if noise > 0.15:
             spread += " (**noisy**: differences smaller than that are not measured)"
     return (f"Decoding: {html.escape(decoding)}. {spread}. Verification is a small share of each iteration on a CPU: "

@@ -9,7 +9,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from .cost import CostModel, break_even_alpha, expected_tokens
+from .cost import break_even_alpha, expected_tokens
 from .trace import Trace
 
 
@@ -45,16 +45,10 @@ def _others(trace: Trace) -> list[float]:
 
 
 def predict(trace: Trace) -> Prediction | None:
-    costs_table = trace.meta.get("costs")
+    costs = trace.costs
     drafting = [s for s in trace.steps if s.gamma > 0]
     alphas = trace.alpha_by_position()
-    if not isinstance(costs_table, dict) or not drafting or not alphas:
-        return None
-    try:
-        costs = CostModel.from_dict(costs_table)
-    except ValueError:
-        return None
-    if not costs.ready:
+    if costs is None or not costs.ready or not drafting or not alphas:
         return None
     by_step: dict[int, list[int]] = {}
     for d in trace.decisions():

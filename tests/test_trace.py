@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from specviz import page, report, viz
+from specviz import page, report
 from specviz.config import SamplingConfig, SpecConfig
+from specviz.figures import batch_figure
 from specviz.page import figures
+from specviz.token_view import token_html
 from specviz.trace import SCHEMA_VERSION, Trace, TraceFormatError
 
 from conftest import decode
@@ -69,10 +71,10 @@ def test_version_1_traces_still_load_and_draw(tmp_path):
 
 
 def test_batched_trace_draws_lanes(trace):
-    html = viz.token_html(trace)
+    html = token_html(trace)
     assert html.count("one target call for") == len(trace.steps)
     assert "s1 γ" in html and "s3 γ" in html
-    fig = viz.batch_figure(trace)
+    fig = batch_figure(trace)
     assert len(fig.data[0].y) == 3  # one heatmap row per sequence
 
 

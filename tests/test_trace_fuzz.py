@@ -13,7 +13,9 @@ import pytest
 
 from specviz import page, report
 from specviz.config import SamplingConfig, SpecConfig
+from specviz.token_view import token_html
 from specviz.trace import Trace, TraceFormatError
+from specviz.why_panel import why_html
 
 from conftest import decode
 from test_trace import V1_TRACE
@@ -161,10 +163,10 @@ def test_trace_fuzz(bases, capsys):
         tally["loaded"] += 1
         try:
             drawn = page.figures(trace, upto=1 if i % 8 == 0 else None) if i % 4 == 0 else {
-                "tokens": page.viz.token_html(trace), "summary": report.summary_markdown(trace),
+                "tokens": token_html(trace), "summary": report.summary_markdown(trace),
                 "warning": report.sigmoid_warning(trace)}
             d = trace.decisions()[i % len(trace.decisions())] if trace.decisions() else None
-            why = "".join(page.viz.why_html(trace, d.step, d.sequence, k) for k in range(d.gamma + 1)) if d else ""
+            why = "".join(why_html(trace, d.step, d.sequence, k) for k in range(d.gamma + 1)) if d else ""
             json.dumps(trace.to_dict(), ensure_ascii=False, allow_nan=False).encode("utf-8")
         except Exception as e:  # noqa: BLE001
             crashes.append((i, "draw/export", repr(e)[:200]))

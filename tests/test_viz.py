@@ -10,10 +10,13 @@ from html.parser import HTMLParser
 import plotly.graph_objects as go
 import pytest
 
-from specviz import viz
+from specviz.figures import (GAMMA_COLORS, acceptance_figure, batch_figure, compare_figure, gamma_figure,
+                              theory_figure, timing_figure, verify_figure)
 from specviz.records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Decision, Examined, StepRecord,
                              TopTokens)
+from specviz.token_view import token_html
 from specviz.trace import SequenceTrace, Trace
+from specviz.why_panel import why_html
 
 HOSTILE = '"><img src=x onerror=alert(1)>'
 
@@ -107,18 +110,18 @@ def _text(markup: str) -> str:
 
 
 def test_tokens_carry_numeric_positions_for_clicks(exact):
-    spans = _clickable(viz.token_html(exact))
+    spans = _clickable(token_html(exact))
     where = [(int(a["data-step"]), int(a["data-seq"]), int(a["data-pos"])) for a in spans]
     # four drafts and the resampled token (at position γ = 4), then two drafts and the bonus (position γ = 2)
     assert where == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 0, 4), (1, 0, 0), (1, 0, 1), (1, 0, 2)]
     assert all(re.fullmatch(r"\d+", a[k]) for a in spans for k in ("data-step", "data-seq", "data-pos"))
     assert all({"sv-tok", "sv-click"} <= set(a["class"].split()) for a in spans)
-    legend = [a for tag, a in _Markup(viz.token_html(exact)).tags if "sv-tok" in a.get("class", "")][:5]
+    legend = [a for tag, a in _Markup(token_html(exact)).tags if "sv-tok" in a.get("class", "")][:5]
     assert not any("data-step" in a for a in legend)  # the legend is not clickable
 
 
 def test_tooltips_say_what_was_examined_and_what_was_not(exact):
-    tips = [a["title"] for a in _clickable(viz.token_html(exact))]
+    tips = [a["title"] for a in _clickable(token_html(exact))]
     accepted, rejected, discarded, after, resampled = tips[:5]
     assert "p(x)=0.6" in accepted and "q(x)=0.5" in accepted and "uniform=0.2" in accepted
     assert "u = 0.20 ≤ min(1, p(x)/q(x)) = 1.00: accepted" in accepted
@@ -131,19 +134,19 @@ def test_tooltips_say_what_was_examined_and_what_was_not(exact):
 
 
 def test_discarded_note_counts_drafts_that_would_have_passed(exact):
-    markup = viz.token_html(exact)
+    markup = token_html(exact)
     assert "1/2 discarded would have passed" in markup  # u 0.3 ≤ 1.0 passes, u 0.9 > 0.333 fails
     assert markup.count("discarded would have passed") == 1  # iteration 1 discarded nothing
 
 
 def test_upto_hides_later_iterations(exact):
-    first = viz.token_html(exact, upto=1)
+    first = token_html(exact, upto=1)
     assert {a["data-step"] for a in _clickable(first)} == {"0"}
     assert "#1 γ=2" not in first and "#0 γ=4" in first
-    assert _clickable(viz.token_html(exact, upto=0)) == []
-    assert len(viz.gamma_figure(exact, upto=1).data[0].x) == 1
-    assert len(viz.timing_figure(exact, upto=1).data[0].x) == 1
-    assert len(viz.verify_figure(exact, upto=1).data[0].x) == 1
+    assert _clickable(token_html(exact, upto=0)) == []
+    assert len(gamma_figure(exact, upto=1).data[0].x) == 1
+    assert len(timing_figure(exact, upto=1).data[0].x) == 1
+    assert len(verify_figure(exact, upto=1).data[0].x) == 1
 
 
 def test_hostile_strings_stay_text():
@@ -151,7 +154,7 @@ def test_hostile_strings_stay_text():
                   label=HOSTILE)
     evil.sequences[0].decisions[0].why[1].drawn_from.texts[1] = HOSTILE
     evil.meta["prompt_text"] = HOSTILE
-    pieces = [viz.token_html(evil)] + [viz.why_html(evil, 0, 0, k) for k in range(5)]
+    pieces = [token_html(evil)] + [why_html(evil, 0, 0, k) for k in range(5)]
     for markup in pieces:
         tags = _Markup(markup).tags
         assert {tag for tag, _ in tags} <= {"div", "span", "br"}
@@ -167,7 +170,7 @@ def test_hostile_strings_stay_text():
 
 
 def test_why_accepted_shows_verdict_and_both_distributions(exact):
-    markup = viz.why_html(exact, 0, 0, 0)
+    markup = why_html(exact, 0, 0, 0)
     text = _text(markup)
     assert "iteration 0 · sequence s1 (article) · draft 1 of 4: “a” (accepted)" in text
     assert "u = 0.20 ≤ min(1, p(x)/q(x)) = 1.00: accepted" in text
@@ -178,7 +181,7 @@ def test_why_accepted_shows_verdict_and_both_distributions(exact):
 
 
 def test_why_rejected_shows_the_residual_and_the_drawn_token(exact):
-    markup = viz.why_html(exact, 0, 0, 1)
+    markup = why_html(exact, 0, 0, 1)
     text = _text(markup)
     assert "u = 0.51 > p(x)/q(x) = 0.16: rejected" in text
     assert "drafted token “b” is outside the top 2" in text  # the target's top two at draft 2 lack it
@@ -189,46 +192,46 @@ def test_why_rejected_shows_the_residual_and_the_drawn_token(exact):
 
 
 def test_why_resampled_and_bonus_tokens_say_what_they_were_drawn_from(exact):
-    resampled = _text(viz.why_html(exact, 0, 0, 4))
+    resampled = _text(why_html(exact, 0, 0, 4))
     assert "resampled token: “R”" in resampled
     assert "draft 2 (“b”) was rejected (u = 0.51 > p(x)/q(x) = 0.16: rejected)" in resampled
     assert "0.700 ◀ drawn" in resampled
-    bonus = _text(viz.why_html(exact, 1, 0, 2))
+    bonus = _text(why_html(exact, 1, 0, 2))
     assert "bonus token: “B”" in bonus and "all 2 drafts were accepted" in bonus and "drawn from p" in bonus
     assert "0.550 ◀ drawn" in bonus and "other tokens: 0.200" in bonus
 
 
 def test_why_discarded_is_never_examined(exact):
-    passed = _text(viz.why_html(exact, 0, 0, 2))
+    passed = _text(why_html(exact, 0, 0, 2))
     assert "never examined: drafted after the rejection at draft 2" in passed
     assert "u = 0.30 ≤ min(1, p(x)/q(x)) = 1.00: would have passed" in passed
-    assert "sv-bar" not in viz.why_html(exact, 0, 0, 2)  # nothing was recorded for it
-    failed = _text(viz.why_html(exact, 0, 0, 3))
+    assert "sv-bar" not in why_html(exact, 0, 0, 2)  # nothing was recorded for it
+    failed = _text(why_html(exact, 0, 0, 3))
     assert "u = 0.90 > p(x)/q(x) = 0.33: would have failed" in failed
 
 
 def test_why_without_recorded_distributions(old):
-    text = _text(viz.why_html(old, 0, 0, 1))
+    text = _text(why_html(old, 0, 0, 1))
     assert "u = 0.51 > p(x)/q(x) = 0.16: rejected" in text
     assert "p(x) = 0.1 · q(x) = 0.625" in text and "uniform u = 0.51" in text
-    assert "distributions were not recorded" in text and "sv-bar" not in viz.why_html(old, 0, 0, 1)
-    assert "distributions were not recorded" in _text(viz.why_html(old, 0, 0, 4))
+    assert "distributions were not recorded" in text and "sv-bar" not in why_html(old, 0, 0, 1)
+    assert "distributions were not recorded" in _text(why_html(old, 0, 0, 4))
 
 
 def test_why_sigmoid_against_exact(sigmoid):
-    markup = viz.why_html(sigmoid, 0, 0, 0)
+    markup = why_html(sigmoid, 0, 0, 0)
     text = _text(markup)
     assert "sigmoid: p̂(x) = 0.3, q̂(x) = 0.25; u = 0.51 ≤ min(1, p̂(x)/q̂(x)) = 1.00: accepted" in text
     assert "exact (softmax): p(x) = 0.05, q(x) = 0.31; u = 0.51 > p(x)/q(x) = 0.16: exact would have rejected" in text
     assert "total-variation distance of p̂ (normalized) from p: 0.230" in text
     assert "sv-why-warn" in markup and "decide differently" in text
-    tip = _clickable(viz.token_html(sigmoid))[0]["title"]
+    tip = _clickable(token_html(sigmoid))[0]["title"]
     assert "p̂(x)=0.3" in tip and "q̂(x)=0.25" in tip
 
 
 def test_why_with_lenience_names_l():
     trace = _trace([_rejecting(why=True)], lenience=0.5)
-    text = _text(viz.why_html(trace, 0, 0, 1))
+    text = _text(why_html(trace, 0, 0, 1))
     assert "u = 0.51 > p(x)/(l·q(x)) = 0.16: rejected" in text and "lenience l = 0.5" in text
     assert "max(0, p − l·q)" in text
 
@@ -236,21 +239,21 @@ def test_why_with_lenience_names_l():
 @pytest.mark.parametrize("where", [(9, 0, 0), (0, 3, 0), (0, 0, 5), (0, 0, -1), ("x", 0, 0), (None, 0, 0),
                                    (0.5, 0, 0), (float("nan"), 0, 0), (10**400, 0, 0), ("1e400", 0, 0)])
 def test_why_for_no_token_asks_for_a_click(exact, where):
-    assert "Click a token" in viz.why_html(exact, *where)
+    assert "Click a token" in why_html(exact, *where)
 
 
 def test_why_accepts_indices_as_the_page_sends_them(exact):
-    assert viz.why_html(exact, "0", "0", "1") == viz.why_html(exact, 0, 0, 1)
+    assert why_html(exact, "0", "0", "1") == why_html(exact, 0, 0, 1)
 
 
 def test_target_only_token():
     d = Decision(step=0, sequence=0, gamma=0, draft_ids=[], draft_text=[], q=[], p=[], accept_prob=[], uniform=[],
                  outcome=[], n_accepted=0, next_id=5, next_text="t", next_kind="target", emitted=1)
     trace = _trace([d], mode="target-only")
-    assert [a["data-pos"] for a in _clickable(viz.token_html(trace))] == ["0"]
-    text = _text(viz.why_html(trace, 0, 0, 0))
+    assert [a["data-pos"] for a in _clickable(token_html(trace))] == ["0"]
+    text = _text(why_html(trace, 0, 0, 0))
     assert "target token: “t”" in text and "nothing was verified" in text
-    assert list(viz.verify_figure(trace).data[0].x) == []  # target-only iterations verify nothing
+    assert list(verify_figure(trace).data[0].x) == []  # target-only iterations verify nothing
 
 
 # ---- figures -------------------------------------------------------------------------------------------
@@ -263,9 +266,9 @@ def _axes(fig: go.Figure) -> dict[str, dict]:
 
 def test_every_axis_of_every_figure_has_a_title(exact):
     rows = [{"name": "exact", "tokens_per_s": 10.0, "speedup": 1.5, "median_verify_ms": 0.05}]
-    figures = [viz.gamma_figure(exact), viz.acceptance_figure(exact), viz.timing_figure(exact),
-               viz.verify_figure(exact), viz.batch_figure(exact), viz.theory_figure(exact, measured_speedup=1.2),
-               viz.compare_figure(rows)]
+    figures = [gamma_figure(exact), acceptance_figure(exact), timing_figure(exact),
+               verify_figure(exact), batch_figure(exact), theory_figure(exact, measured_speedup=1.2),
+               compare_figure(rows)]
     for fig in figures:
         axes = _axes(fig)
         assert axes, fig.layout.title.text
@@ -275,14 +278,14 @@ def test_every_axis_of_every_figure_has_a_title(exact):
 
 
 def test_gamma_line_sits_on_its_bars(exact):
-    bars, line = viz.gamma_figure(exact).data
+    bars, line = gamma_figure(exact).data
     assert list(bars.x) == list(line.x) == [0, 1]
     assert list(line.y) == [4, 2] and list(bars.y) == [1, 2]
     assert line.line.shape == "hvh"
 
 
 def test_acceptance_explains_alpha_and_rate(exact):
-    fig = viz.acceptance_figure(exact)
+    fig = acceptance_figure(exact)
     assert "the chance a draft passes" in fig.layout.title.text
     assert "drafts after a rejection count as not accepted" in fig.layout.title.text
     rate = next(t for t in fig.data if t.name == "acceptance rate")
@@ -292,30 +295,30 @@ def test_acceptance_explains_alpha_and_rate(exact):
 
 
 def test_theory_marks_prediction_and_measurement(exact):
-    fig = viz.theory_figure(exact)
+    fig = theory_figure(exact)
     names = [t.name for t in fig.data]
     assert "predicted from this run's α and c" in names
     assert "measured (vs target-only)" not in names
     assert fig.layout.title.text == "theory (Leviathan et al. §3): prediction vs measurement"
-    measured = viz.theory_figure(exact, measured_speedup=1.7)
+    measured = theory_figure(exact, measured_speedup=1.7)
     marker = next(t for t in measured.data if t.name == "measured (vs target-only)")
     assert list(marker.y) == [1.7] and marker.xaxis == "x2" and marker.marker.symbol == "diamond"
     assert marker.x[0] == pytest.approx(exact.alpha_estimate())
-    assert "predicted from this run's α and c" in [t.name for t in viz.theory_figure(exact, upto=1).data]
+    assert "predicted from this run's α and c" in [t.name for t in theory_figure(exact, upto=1).data]
 
 
 def test_theory_gamma_colours_match_across_subplots(exact):
-    curves = [t for t in viz.theory_figure(exact).data if t.name.startswith("γ=")]
+    curves = [t for t in theory_figure(exact).data if t.name.startswith("γ=")]
     by_name: dict[str, set] = {}
     for t in curves:
         by_name.setdefault(t.name, set()).add(t.line.color)
-    assert len(curves) == 2 * len(by_name) == 2 * len(viz.GAMMA_COLORS)
+    assert len(curves) == 2 * len(by_name) == 2 * len(GAMMA_COLORS)
     assert all(len(colors) == 1 for colors in by_name.values())
     assert len({c for colors in by_name.values() for c in colors}) == len(by_name)
 
 
 def test_verify_figure_shows_microseconds_and_share(exact):
-    fig = viz.verify_figure(exact)
+    fig = verify_figure(exact)
     box = fig.data[0]
     assert [round(x) for x in box.x] == [40, 80]  # µs per call
     shares = {t.name.split()[0]: t.x[0] for t in fig.data[1:]}
@@ -329,17 +332,17 @@ def test_compare_figure_error_bars_from_rounds():
              "tokens_per_s_runs": [9.0, 10.0, 12.0], "speedup_min": 1.0, "speedup_max": 1.0},
             {"name": "exact", "tokens_per_s": 15.0, "speedup": 1.5, "median_verify_ms": 0.04,
              "tokens_per_s_runs": [14.0, 16.0, 15.0], "speedup_min": 1.4, "speedup_max": 1.6}]
-    fig = viz.compare_figure(rows)
+    fig = compare_figure(rows)
     bars = fig.data[0]
     assert list(bars.x) == [10.0, 15.0]  # medians of the rounds
     assert list(bars.error_x.array) == [2.0, 1.0] and list(bars.error_x.arrayminus) == [1.0, 1.0]
     assert list(bars.text) == ["1.00× (1.00–1.00)", "1.50× (1.40–1.60)"]
     assert "median of 3 rounds" in fig.layout.title.text
     assert list(fig.data[1].x) == [pytest.approx(40.0)]  # verify in µs
-    one_round = viz.compare_figure([dict(r, tokens_per_s_runs=[r["tokens_per_s"]]) for r in rows])
+    one_round = compare_figure([dict(r, tokens_per_s_runs=[r["tokens_per_s"]]) for r in rows])
     assert one_round.data[0].error_x.array is None and list(one_round.data[0].text) == ["1.00×", "1.50×"]
     assert "one round" in one_round.layout.title.text
-    bare = viz.compare_figure([{k: r[k] for k in ("name", "tokens_per_s", "speedup", "median_verify_ms")} for r in rows])
+    bare = compare_figure([{k: r[k] for k in ("name", "tokens_per_s", "speedup", "median_verify_ms")} for r in rows])
     assert list(bare.data[0].x) == [10.0, 15.0] and bare.data[0].error_x.array is None
 
 
@@ -347,7 +350,7 @@ def test_why_panel_shows_ten_bars_and_always_the_drafted_token():
     """Of 20 recorded tokens the panel draws 10, plus the drafted one when it ranks lower; the hidden ones'
     mass joins "other tokens"."""
     from specviz.records import TopTokens
-    from specviz.viz import WHY_ROWS, _bars
+    from specviz.why_panel import WHY_ROWS, _bars
 
     probs = [0.5 / 20] * 20
     top = TopTokens(ids=list(range(20)), texts=[f"t{i}" for i in range(20)], probs=probs, rest=0.5)

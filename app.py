@@ -15,7 +15,8 @@ from specviz import handlers, page, settings
 from specviz.handlers import COMPARE_COLUMNS, VIEW, Server
 from specviz.models import cache_dir
 from specviz.prompts import ASSETS, sample_article
-from specviz.viz import TOKEN_CSS, WHY_CSS
+from specviz.token_view import TOKEN_CSS
+from specviz.why_panel import WHY_CSS
 
 CSS = TOKEN_CSS + WHY_CSS + """
 #status { min-height: 2.2em; }

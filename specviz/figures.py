@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from . import theory
+from .compare import Row
 from .cost import expected_speedup
 from .prediction import predict
 from .records import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Decision
@@ -220,28 +221,28 @@ def batch_figure(trace: Trace, upto: int | None = None) -> go.Figure:
     return fig
 
 
-def _rate_stats(row: dict) -> tuple[float, float | None, float | None]:
+def _rate_stats(row: Row) -> tuple[float, float | None, float | None]:
     """(bar height, min, max) of a comparison row's tokens/s: the median over rounds when rounds are given."""
-    runs = row.get("tokens_per_s_runs") or []
+    runs = row.tokens_per_s_runs
     if not runs:
-        return row["tokens_per_s"], None, None
+        return row.tokens_per_s, None, None
     return statistics.median(runs), min(runs), max(runs)
 
 
-def _speedup_label(row: dict) -> str:
-    """'1.52× (1.40–1.61)': the median speedup and its range over rounds (one round has no range)."""
-    low, high = row.get("speedup_min"), row.get("speedup_max")
-    several = len(row.get("tokens_per_s_runs") or []) > 1
-    span = f" ({low:.2f}–{high:.2f})" if several and low is not None and high is not None else ""
-    return f"{row['speedup']:.2f}×{span}"
+def _speedup_label(row: Row) -> str:
+    """'1.52× end to end (1.40–1.61) · 1.83× decoding': the medians over rounds, the end-to-end one with its
+    range (one round has no range)."""
+    span = f" ({row.speedup_end_to_end_min:.2f}–{row.speedup_end_to_end_max:.2f})" \
+        if len(row.tokens_per_s_runs) > 1 else ""
+    return f"{row.speedup_end_to_end:.2f}× end to end{span} · {row.speedup_decode:.2f}× decoding"
 
 
-def compare_figure(rows: list[dict]) -> go.Figure:
-    """Tokens/s (median over rounds, min–max error bars, labelled with the speedup over target-only) and the
-    median verify time of each run in a comparison (rows as in specviz.compare.Row)."""
-    names = [html.escape(str(r["name"])) for r in rows]
+def compare_figure(rows: list[Row]) -> go.Figure:
+    """Tokens/s (median over rounds, min–max error bars, labelled with both speedups over target-only) and the
+    median verify time of each run in a comparison."""
+    names = [html.escape(str(r.name)) for r in rows]
     stats = [_rate_stats(r) for r in rows]
-    rounds = max((len(r.get("tokens_per_s_runs") or []) for r in rows), default=0)
+    rounds = max((len(r.tokens_per_s_runs) for r in rows), default=0)
     fig = make_subplots(rows=2, cols=1, vertical_spacing=0.25,
                         subplot_titles=("tokens / s (label: speedup over target-only)", "median verify time per call"))
     error = None
@@ -252,10 +253,10 @@ def compare_figure(rows: list[dict]) -> go.Figure:
     fig.add_trace(go.Bar(y=names, x=[mid for mid, _, _ in stats], orientation="h", name="tokens/s", error_x=error,
                          text=[_speedup_label(r) for r in rows], textposition="inside", insidetextanchor="start",
                          marker_color=COLORS[ACCEPTED], opacity=0.85), 1, 1)
-    spec = [(name, r) for name, r in zip(names, rows) if r.get("median_verify_ms") is not None]
-    fig.add_trace(go.Bar(y=[name for name, _ in spec], x=[1e3 * r["median_verify_ms"] for _, r in spec],
+    spec = [(name, r.median_verify_ms) for name, r in zip(names, rows) if r.median_verify_ms is not None]
+    fig.add_trace(go.Bar(y=[name for name, _ in spec], x=[1e3 * ms for _, ms in spec],
                          orientation="h", name="verify µs", marker_color=TIMING_COLORS["verify"],
-                         text=[f"{1e3 * r['median_verify_ms']:.0f} µs" for _, r in spec], textposition="auto"), 2, 1)
+                         text=[f"{1e3 * ms:.0f} µs" for _, ms in spec], textposition="auto"), 2, 1)
     fig.update_yaxes(title="run", autorange="reversed")
     fig.update_xaxes(title="tokens per second", rangemode="tozero", row=1, col=1)
     fig.update_xaxes(title="µs per verify call (median)", rangemode="tozero", row=2, col=1)

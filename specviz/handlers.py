@@ -21,7 +21,8 @@ from .compare import Row
 from .prompts import ASSETS, sample_article
 from .settings import TEXT, Settings, page_names
 from .trace import Trace, TraceFormatError
-from .viz import compare_figure, why_html
+from .figures import compare_figure
+from .why_panel import why_html
 
 Updates = dict[str, Any]
 Values = Mapping[str, Any]
@@ -118,14 +119,14 @@ def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
             if done:
                 reference = values["reference_summary"] if task == TEXT else values["reference_transcript"]
                 page.score(trace, task, reference or "")
-                note = ("Stopped" if trace.meta.get("stopped") else "Done") + \
+                note = ("Stopped" if trace.stopped else "Done") + \
                     f": {trace.new_tokens} tokens in {len(trace.steps)} iterations."
                 yield {"status": stamp(note), "trace": trace, "export": _download(trace),
                        "replay": _replay_at_end(trace), **views(trace)}
             else:
                 yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens"),
                        "trace": trace, "replay": _replay_at_end(trace), **views(trace)}
-        if trace is None or trace.meta.get("stopped") or not values["measure"]:
+        if trace is None or trace.stopped or not values["measure"]:
             return
         yield {"status": stamp("Done. Measuring target-only on the same input and settings for the speedup…")}
         reference = page.measure_reference(server.models, server.references, task, source_input, settings, progress,
@@ -187,7 +188,7 @@ def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]
 
 def opened(trace: Trace, how: str) -> Updates:
     """Show a trace in the main view with its settings and input restored, ready to export."""
-    text = trace.meta.get("input") if trace.meta.get("task") == TEXT else None
+    text = trace.meta.get("input") if trace.task == TEXT else None
     restored = Settings.from_meta(trace.meta).to_dict()
     updates = {"status": stamp(how), "trace": trace, "export": _download(trace),
                "results": gr.Tabs(selected="run-results"), "replay": _replay_at_end(trace), **views(trace),

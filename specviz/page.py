@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
 import queue
 import re
 import secrets
@@ -25,7 +23,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import report, viz
+from . import report
+from .figures import acceptance_figure, batch_figure, gamma_figure, theory_figure, timing_figure, verify_figure
+from .token_view import token_html
 from .audio import load_audio
 from .compare import Row, compare, hf_assisted_runs, noise, source_runner
 from .config import MODES, SpecConfig
@@ -305,7 +305,7 @@ def measure_reference(models: ModelCache, references: References, task: str, sou
     for trace, done in _streamed(source, cfg, {}, stop, target_only=True):
         if not done:
             progress(f"target-only reference: {trace.new_tokens} tokens", None)
-    if trace is None or trace.meta.get("stopped"):
+    if trace is None or trace.stopped:
         return None
     return report.reference_meta(trace, reused=False, measured_at=references.put(key, trace))
 
@@ -330,7 +330,7 @@ def compare_modes(models: ModelCache, task: str, source_input: str | None, setti
                            repeat=rounds, on_stage=on_stage)
     for trace in traces.values():
         trace.meta.setdefault("page_settings", dataclasses.replace(
-            settings, mode=trace.meta.get("mode") if trace.meta.get("mode") in MODES else settings.mode).to_dict())
+            settings, mode=trace.mode if trace.mode in MODES else settings.mode).to_dict())
         trace.meta.setdefault("input", source_input if task == TEXT else Path(source_input).name)
     decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
     note = report.compare_note(rounds, noise(rows), decoding)
@@ -359,16 +359,16 @@ def rouge1(reference: str, summary: str) -> float:
 
 def figures(trace: Trace, upto: int | None = None) -> dict[str, Any]:
     """Everything the page draws from a trace; `upto`: as it stood after that many iterations (replay)."""
-    shown = trace.until(upto) if upto is not None else trace
+    shown = trace.until(upto)
     measured = report.measured_speedup(trace) if shown is trace else None
     return {
-        "tokens": viz.token_html(trace, upto=upto),
-        "gamma": viz.gamma_figure(trace, upto=upto),
-        "acceptance": viz.acceptance_figure(trace, upto=upto),
-        "timing": viz.timing_figure(trace, upto=upto),
-        "verify": viz.verify_figure(trace, upto=upto),
-        "theory": viz.theory_figure(trace, upto=upto, measured_speedup=measured.decode if measured else None),
-        "batch": viz.batch_figure(trace, upto=upto),
+        "tokens": token_html(trace, upto=upto),
+        "gamma": gamma_figure(trace, upto=upto),
+        "acceptance": acceptance_figure(trace, upto=upto),
+        "timing": timing_figure(trace, upto=upto),
+        "verify": verify_figure(trace, upto=upto),
+        "theory": theory_figure(trace, upto=upto, measured_speedup=measured.decode if measured else None),
+        "batch": batch_figure(trace, upto=upto),
         "summary": report.summary_markdown(shown),
         "warning": report.sigmoid_warning(shown),
         "output": shown.output_text,
@@ -384,25 +384,22 @@ def export_name(trace: Trace) -> str:
     def safe(value: Any, fallback: str) -> str:
         return "".join(c for c in str(value) if c.isalnum() or c == "-")[:20] or fallback
 
-    return f"specviz-{safe(trace.meta.get('task'), 'run')}-{safe(trace.meta.get('mode'), 'run')}-" \
+    return f"specviz-{safe(trace.task, 'run')}-{safe(trace.mode, 'run')}-" \
            f"{time.strftime('%Y%m%d-%H%M')}.json"
 
 
 def export(trace: Trace) -> str:
-    """Write the trace as indented JSON for a download; returns the path.
+    """Write the trace for a download (Trace.save: atomic, indented); returns the path.
 
-    Each export gets its own directory, so that two exports in one minute keep their readable name. Written
-    to a temporary name and renamed when complete, so a failed export leaves no partial file.
+    Each export gets its own directory, so that two exports in one minute keep their readable name; a failed
+    export removes it.
     """
     EXPORT_DIR.mkdir(exist_ok=True)
     folder = EXPORT_DIR / secrets.token_hex(8)
     folder.mkdir()
     final = folder / export_name(trace)
-    partial = final.with_suffix(".part")
     try:
-        with open(partial, "w", encoding="utf-8") as handle:
-            json.dump(trace.to_dict(), handle, ensure_ascii=False, allow_nan=False, indent=2)
-        os.replace(partial, final)
+        trace.save(final)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

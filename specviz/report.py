@@ -33,26 +33,26 @@ def reference_meta(reference: Trace, reused: bool, measured_at: float) -> dict[s
 
 def measured_speedup(trace: Trace) -> Speedup | None:
     """The run's speedup over the target-only reference recorded in the trace (meta["target_only"])."""
-    ref = trace.meta.get("target_only")
-    if not isinstance(ref, dict) or not trace.decode_tokens_per_s:
+    ref = trace.target_only
+    if ref is None or not trace.decode_tokens_per_s:
         return None
     return speedup.measured(trace.decode_tokens_per_s, trace.tokens_per_s, number(ref, "decode_tokens_per_s"),
                             number(ref, "tokens_per_s"))
 
 
 def _speedup_line(trace: Trace) -> str:
-    if trace.meta.get("mode") == "target-only":
+    if trace.mode == "target-only":
         return ""
     measured = measured_speedup(trace)
     if measured is None:
         return ("Speedup not measured: tick “Measure the speedup against target-only” to run target-only on the "
                 "same input and settings once.")
-    ref = trace.meta["target_only"]
+    ref = trace.target_only
     verdict = "faster" if measured.decode > 1.02 else "slower" if measured.decode < 0.98 else "no faster"
     same = ref.get("outputs") == trace.outputs
     output_note = ("identical output" if same else
                    "different output (sampling: both follow the target's distribution, from different draws)"
-                   if trace.meta.get("config", {}).get("sampling", {}).get("temperature") else "different output")
+                   if trace.temperature else "different output")
     when = html.escape(str(ref.get("measured_at", "")))[:40]
     return (f"**Measured: {measured.decode:.2f}× target-only's decoding speed ({verdict})**, "
             f"{measured.end_to_end:.2f}× end to end (prefill included) · target-only decoded "
@@ -79,7 +79,7 @@ def prediction_markdown(trace: Trace) -> str:
 def summary_markdown(trace: Trace) -> str:
     s = trace.summary()
     lines = []
-    if trace.meta.get("stopped"):
+    if trace.stopped:
         lines.append(f"**Stopped** after {len(trace.steps)} iterations: the trace holds what was decoded so far.")
     reused = number(trace.meta, "prompts_reused")
     prefill = f"prefill {s['prefill_s']:.2f} s" + (" (prompt read before: its keys and values reused)" if reused else "")
@@ -122,7 +122,7 @@ def summary_markdown(trace: Trace) -> str:
 
 def draft_line(trace: Trace, s: dict[str, Any]) -> str:
     """Which draft ran, the vocabulary its head scored, and what a draft step cost against a target call."""
-    config = trace.meta.get("config", {})
+    config = trace.config
     kind = str(config.get("draft_kind", "model"))
     vocab, size = number(trace.meta, "vocab_size"), number(trace.meta, "draft_vocab_size")
     parts = [f"drafted by {html.escape(kind)[:40]}"]
@@ -166,7 +166,7 @@ def sigmoid_drift(traces: dict[str, Trace]) -> str:
     n = max(len(a_ids), len(b_ids), 1)
     first_diff = next((i for i, (a, b) in enumerate(zip(a_ids, b_ids)) if a != b), None)
     ra, rb = exact.acceptance_rate() or 0.0, sigmoid.acceptance_rate() or 0.0
-    sampled = bool(exact.meta.get("config", {}).get("sampling", {}).get("temperature"))
+    sampled = bool(exact.temperature)
     line = (f"**sigmoid vs exact** ({'sampled' if sampled else 'greedy: sigmoid cannot differ from exact'}): "
             f"{same}/{n} output tokens identical"
             + (f" (first difference at token {first_diff})" if first_diff is not None else "")

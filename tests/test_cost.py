@@ -361,7 +361,8 @@ def test_runs_mixing_plain_and_speculative_steps_follow_the_target(small_vocab_p
 def test_prediction_and_its_sentence_on_a_run(tiny_pair, prompt_ids):
     """A constant-γ run on the tiny pair: the prediction is built from its own cost table, the time split
     adds up to the iterations it measured, and the page and the figures show it, labelled a prediction."""
-    from specviz import report, viz
+    from specviz import report
+    from specviz.figures import acceptance_figure, theory_figure
     from specviz.prediction import predict, sentence
 
     cfg = SpecConfig(mode="exact", gamma_policy="constant", gamma_init=3, max_new_tokens=30)
@@ -379,9 +380,9 @@ def test_prediction_and_its_sentence_on_a_run(tiny_pair, prompt_ids):
     assert f"Scoring 4 tokens costs {p.scored_ratio:.1f}×" in text and "target-only" in text
     markdown = report.summary_markdown(trace)
     assert f"Predicted: {p.speedup:.2f}×" in markdown and "a prediction" in markdown
-    names = [t.name for t in viz.theory_figure(trace).data]
+    names = [t.name for t in theory_figure(trace).data]
     assert "measured costs, γ=3" in names and "predicted from measured costs" in names
-    histogram = [t for t in viz.acceptance_figure(trace).data if t.type == "bar" and t.name == "iterations"]
+    histogram = [t for t in acceptance_figure(trace).data if t.type == "bar" and t.name == "iterations"]
     assert histogram and sum(histogram[0].y) == len(drafting)
 
 

@@ -3,7 +3,6 @@ rounds, restoring settings from a trace, and the words the page writes about a r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -95,9 +94,10 @@ def test_measured_speedup_is_labelled_as_measured(tiny_pair, prompt_ids):
     reference = run(source, cfg, target_only=True)
     trace.meta["target_only"] = report.reference_meta(reference, reused=False, measured_at=time.time())
     speedup = report.measured_speedup(trace)
-    assert speedup["decode"] == pytest.approx(trace.decode_tokens_per_s / reference.decode_tokens_per_s)
+    assert speedup.decode == pytest.approx(trace.decode_tokens_per_s / reference.decode_tokens_per_s)
+    assert speedup.end_to_end == pytest.approx(trace.tokens_per_s / reference.tokens_per_s)
     text = report.summary_markdown(trace)
-    assert f"Measured: {speedup['decode']:.2f}×" in text and "prefill" in text
+    assert f"Measured: {speedup.decode:.2f}×" in text and f"{speedup.end_to_end:.2f}× end to end" in text
     assert f"decoding {trace.decode_s:.2f} s" in text
 
 
@@ -107,10 +107,10 @@ def test_compare_rounds_report_spread(tiny_pair, prompt_ids):
     assert [r.name for r in rows] == ["target-only", "baseline", "exact", "sigmoid"]
     for r in rows:
         assert len(r.tokens_per_s_runs) == 3
-        assert r.speedup_min <= r.speedup <= r.speedup_max
-    assert rows[0].speedup_min == rows[0].speedup_max == 1.0
+        assert r.speedup_end_to_end_min <= r.speedup_end_to_end <= r.speedup_end_to_end_max
+    assert rows[0].speedup_end_to_end_min == rows[0].speedup_end_to_end_max == rows[0].speedup_decode == 1.0
     assert noise(rows) >= 0
-    note = report.compare_note([r.as_dict() for r in rows], 3, 0.4, "sampling")
+    note = report.compare_note(3, 0.4, "sampling")
     assert "3 interleaved rounds" in note and "noisy" in note
 
 

@@ -3,6 +3,7 @@ trace string reaches the page escaped, and that replay (upto) shows only the ite
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from html.parser import HTMLParser
@@ -12,6 +13,7 @@ import pytest
 
 from specviz.figures import (GAMMA_COLORS, acceptance_figure, batch_figure, compare_figure, gamma_figure,
                               theory_figure, timing_figure, verify_figure)
+from specviz.compare import Row
 from specviz.records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Decision, Examined, StepRecord,
                              TopTokens)
 from specviz.token_view import token_html
@@ -265,7 +267,7 @@ def _axes(fig: go.Figure) -> dict[str, dict]:
 
 
 def test_every_axis_of_every_figure_has_a_title(exact):
-    rows = [{"name": "exact", "tokens_per_s": 10.0, "speedup": 1.5, "median_verify_ms": 0.05}]
+    rows = [_row("exact", 10.0, [], 1.5, 1.5, 1.5, 2.0, 0.05)]
     figures = [gamma_figure(exact), acceptance_figure(exact), timing_figure(exact),
                verify_figure(exact), batch_figure(exact), theory_figure(exact, measured_speedup=1.2),
                compare_figure(rows)]
@@ -327,22 +329,30 @@ def test_verify_figure_shows_microseconds_and_share(exact):
     assert any("median 60 µs" in a.text for a in fig.layout.annotations)
 
 
+def _row(name: str, tokens_per_s: float, runs: list[float], e2e: float, low: float, high: float, decode: float,
+         verify_ms: float | None) -> Row:
+    return Row(name=name, tokens_per_s=tokens_per_s, tokens_per_s_per_sequence=tokens_per_s, speedup_end_to_end=e2e,
+               speedup_end_to_end_min=low, speedup_end_to_end_max=high, speedup_decode=decode, alpha=None,
+               tokens_per_iteration=None, median_verify_ms=verify_ms, equals_target_only=True, new_tokens=8, total_s=1.0,
+               output_text="", tokens_per_s_runs=runs, decode_tokens_per_s=tokens_per_s)
+
+
 def test_compare_figure_error_bars_from_rounds():
-    rows = [{"name": "target-only", "tokens_per_s": 10.0, "speedup": 1.0, "median_verify_ms": None,
-             "tokens_per_s_runs": [9.0, 10.0, 12.0], "speedup_min": 1.0, "speedup_max": 1.0},
-            {"name": "exact", "tokens_per_s": 15.0, "speedup": 1.5, "median_verify_ms": 0.04,
-             "tokens_per_s_runs": [14.0, 16.0, 15.0], "speedup_min": 1.4, "speedup_max": 1.6}]
+    rows = [_row("target-only", 10.0, [9.0, 10.0, 12.0], 1.0, 1.0, 1.0, 1.0, None),
+            _row("exact", 15.0, [14.0, 16.0, 15.0], 1.5, 1.4, 1.6, 1.9, 0.04)]
     fig = compare_figure(rows)
     bars = fig.data[0]
     assert list(bars.x) == [10.0, 15.0]  # medians of the rounds
     assert list(bars.error_x.array) == [2.0, 1.0] and list(bars.error_x.arrayminus) == [1.0, 1.0]
-    assert list(bars.text) == ["1.00× (1.00–1.00)", "1.50× (1.40–1.60)"]
+    assert list(bars.text) == ["1.00× end to end (1.00–1.00) · 1.00× decoding",
+                               "1.50× end to end (1.40–1.60) · 1.90× decoding"]
     assert "median of 3 rounds" in fig.layout.title.text
     assert list(fig.data[1].x) == [pytest.approx(40.0)]  # verify in µs
-    one_round = compare_figure([dict(r, tokens_per_s_runs=[r["tokens_per_s"]]) for r in rows])
-    assert one_round.data[0].error_x.array is None and list(one_round.data[0].text) == ["1.00×", "1.50×"]
+    one_round = compare_figure([dataclasses.replace(r, tokens_per_s_runs=[r.tokens_per_s]) for r in rows])
+    assert one_round.data[0].error_x.array is None
+    assert list(one_round.data[0].text) == ["1.00× end to end · 1.00× decoding", "1.50× end to end · 1.90× decoding"]
     assert "one round" in one_round.layout.title.text
-    bare = compare_figure([{k: r[k] for k in ("name", "tokens_per_s", "speedup", "median_verify_ms")} for r in rows])
+    bare = compare_figure([dataclasses.replace(r, tokens_per_s_runs=[]) for r in rows])
     assert list(bare.data[0].x) == [10.0, 15.0] and bare.data[0].error_x.array is None
 
 

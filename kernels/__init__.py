@@ -19,11 +19,11 @@ values, and with `topk` or `top_p` each row's threshold and normalizer, found by
 row; then acceptance, residual masses and sampling in the last block of each batch row), one for
 `sigmoid`, two with `topk` or `top_p` (the first launch of `exact` for the thresholds, then the sigmoid
 one). Top-p without top-k reads each row 2 more times (fp16 / bf16) or 4 (fp32), by the last block of the
-row, from L2; with top-k it ranks the K1·k candidate lists only, no pass over the vocabulary. All on torch's current CUDA stream, no copies of the
-logits (any batch/row strides; the last dimension must be contiguous or it is copied). One readback (a few
-bytes per row, into pinned memory) when `check=True`: it raises on NaN / +inf / all -inf logits or drafted
-tokens outside the vocabulary, and `launch` hands its host copy back so that callers need no further sync;
-`check=False` makes the call fully asynchronous and skips those errors.
+row, from L2; with top-k it ranks the K1·k candidate lists only, no pass over the vocabulary. All on torch's
+current CUDA stream, no copies of the logits (any batch/row strides; the last dimension must be contiguous
+or it is copied). One readback (a few bytes per row, into pinned memory) when `check=True`: it raises on
+NaN / +inf / all -inf logits or drafted tokens outside the vocabulary, and `launch` hands its host copy back
+so that callers need no further sync; `check=False` makes the call fully asynchronous and skips those errors.
 
 Submodules, one idea each: `sources` (verify.cu's files, sizes and entry points), `build` (compiling,
 availability), `plan` (validation, grids, buffer layout, argument lists; cached per key), `outputs` (the

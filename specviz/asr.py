@@ -21,7 +21,7 @@ from .engine import SequenceSpec, SlottedDecoder, Vocabulary, unique_names
 from .machine import device_name
 from .models import DEFAULT, ModelLoadError, Progress, _silent
 from .quant import quantize_draft_int8
-from .whisper_ct2 import load_whisper
+from .whisper_loader import load_whisper
 
 # Chosen by measurement on the sample clip (docs/benchmarks.md, "Speech"): base without its fourth decoder
 # layer is the only shallower decoder that still agrees with the full one most of the time.

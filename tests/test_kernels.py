@@ -1,4 +1,4 @@
-"""Tests of the CUDA verification kernels: kernels/verify.cu and its CuPy wrapper kernels/__init__.py.
+"""Tests of the CUDA verification kernels: kernels/verify.cu and its CuPy wrapper (the kernels/ package).
 
 What the CPU emulation (below; built with g++, no GPU) checks, and what it cannot:
 - It runs the real verify.cu source on CPU tensors, one block at a time in a shuffled order, each CUDA
@@ -19,9 +19,12 @@ What the CPU emulation (below; built with g++, no GPU) checks, and what it canno
 Everywhere (no GPU needed), besides the emulation:
 - every .cu file compiles (nvcc for sm_90 with warnings as errors; else CuPy's NVRTC), and with NVRTC too
   where CuPy is installed (the path `available()` takes at run time);
-- `import kernels` works without CuPy, and `available()` is False without a GPU, without raising;
+- the package loads from this repository's kernels/ as `specviz_kernels` (never a PyPI `kernels`), imports
+  without CuPy, and `available()` is False without a GPU, without raising;
 - the planner sizes grids to fill the GPU, handles chunk sizes that do not divide V, and caches one plan
   per (shapes, dtypes, strides, settings), patching only pointers;
+- the caches (plans, state buffers, stream handles, compiled functions) hand every thread the same entry
+  when threads race on one key;
 - `VerifyResult.host()` on the torch path, and the token-range check that the kernel path leaves to the
   kernels.
 
@@ -54,12 +57,16 @@ where all V tokens are live.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -267,7 +274,7 @@ def test_compile_check_reports_compiler_errors(tmp_path, monkeypatch):
         pytest.skip("nvcc is not available")
     broken = tmp_path / "broken.cu"
     broken.write_text("extern \"C\" __global__ void k(float* x) { x[0] = undefined_name; }\n")
-    monkeypatch.setattr(kernels, "source_files", lambda: [broken])
+    monkeypatch.setattr(kernels.build, "source_files", lambda: [broken])
     with pytest.raises(RuntimeError, match="undefined_name"):
         kernels.compile_check(_nvcc())
 
@@ -327,29 +334,29 @@ def test_prepare_grids_and_buffers():
     """The device-agnostic half of verify_cuda on CPU tensors: grids, chunking, input validation."""
     tokens, dl, tl, u, ur = _cpu_case(B=3, gamma=4, V=1000)
     state = torch.zeros(kernels.state_size(3, 4), dtype=torch.int32)
-    prep = kernels._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
+    prep = kernels.plan._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
                             sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333)
     (n1, g1, a1), (n2, g2, a2) = prep.launches
     assert (n1, g1) == ("sv_exact_stats_f32", (4, 9, 3))  # ceil(1000/300) chunks × (2γ+1) rows × B
     assert (n2, g2) == ("sv_exact_resample_f32", (4, 3, 1))  # ceil(1000/333) chunks × B
     assert len(a1) == 17 and len(a2) == 25
     assert a1[11] == 0 and a1[12] == np.float32(1.0) and a2[-2] == 0  # no top-k, no top-p, no thresholds
-    prep = kernels._prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
+    prep = kernels.plan._prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
                             sigmoid_alpha=-1.0, sigmoid_beta=1.0, state=state, sms=132, residual_chunk=999)
     ((name, grid, args),) = prep.launches
     assert (name, grid, len(args)) == ("sv_sigmoid_f16", (2, 9, 3), 23)
     assert args[-1] == 0  # no thresholds
     # top-p: launch 1 gets fp32(top_p) and finds thresholds; launch 2 reads them
-    prep = kernels._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
+    prep = kernels.plan._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
                             sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333, top_p=0.9)
     (n1, _, a1), (_, _, a2) = prep.launches
     assert n1 == "sv_exact_stats_topp_f32"
     assert a1[12] == np.float32(0.9) and a1[12].dtype == np.float32 and a1[15] != 0 and a2[-2] == 1
-    prep = kernels._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
+    prep = kernels.plan._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
                             sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333, topk=7)
     assert prep.launches[0][0] == "sv_exact_stats_topk_f32" and prep.launches[0][2][12] == np.float32(1.0)
     # sigmoid with top-k / top-p: launch 1 of exact for the thresholds, then the sigmoid launch reading them
-    prep = kernels._prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
+    prep = kernels.plan._prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
                             sigmoid_alpha=-1.0, sigmoid_beta=1.0, state=state, sms=132, stats_chunk=300,
                             residual_chunk=999, topk=5, top_p=0.5)
     (n1, g1, a1), (n2, g2, a2) = prep.launches
@@ -357,33 +364,33 @@ def test_prepare_grids_and_buffers():
     assert a1[11] == 5 and a1[15] == a2[-1] != 0  # the same rowstat
     bad = dict(scale=1.0, lenience=1.0, sigmoid_alpha=-1e4, sigmoid_beta=1e4, state=state, sms=132)
     with pytest.raises(ValueError, match="γ <="):
-        kernels._prepare("exact", torch.zeros(1, 300, dtype=torch.long), torch.zeros(1, 300, 5),
+        kernels.plan._prepare("exact", torch.zeros(1, 300, dtype=torch.long), torch.zeros(1, 300, 5),
                          torch.zeros(1, 301, 5), torch.zeros(1, 300), torch.zeros(1), **bad)
     with pytest.raises(ValueError, match="lenience"):
-        kernels._prepare("exact", tokens, dl, tl, u, ur, **{**bad, "lenience": 0.0})
+        kernels.plan._prepare("exact", tokens, dl, tl, u, ur, **{**bad, "lenience": 0.0})
     with pytest.raises(ValueError, match="unknown CUDA verification mode"):
-        kernels._prepare("baseline", tokens, dl, tl, u, ur, **bad)
+        kernels.plan._prepare("baseline", tokens, dl, tl, u, ur, **bad)
     with pytest.raises(ValueError, match="target_logits must be"):
-        kernels._prepare("exact", tokens, dl, tl[:, :3], u, ur, **bad)
+        kernels.plan._prepare("exact", tokens, dl, tl[:, :3], u, ur, **bad)
     with pytest.raises(ValueError, match="in-kernel top-k"):
-        kernels._prepare("sigmoid", tokens, dl, tl, u, ur, **bad, topk=kernels.MAX_TOPK + 1)
+        kernels.plan._prepare("sigmoid", tokens, dl, tl, u, ur, **bad, topk=kernels.MAX_TOPK + 1)
     for top_p in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="top_p must be in"):
-            kernels._prepare("exact", tokens, dl, tl, u, ur, **bad, top_p=top_p)
+            kernels.plan._prepare("exact", tokens, dl, tl, u, ur, **bad, top_p=top_p)
 
 
 def test_plan_is_cached_and_only_pointers_change():
     """One plan per (shapes, dtypes, strides, settings): a second call with other tensors of the same layout
     reuses it and differs from the first only in the pointer arguments."""
-    kernels._plans.clear()
+    kernels.plan._plans.clear()
     state = torch.zeros(kernels.state_size(3, 4), dtype=torch.int32)
     opts = dict(scale=1.0, lenience=1.0, sigmoid_alpha=-1e4, sigmoid_beta=1e4, state=state, sms=132)
     a = _cpu_case(B=3, gamma=4, V=1000, seed=1)
     b = _cpu_case(B=3, gamma=4, V=1000, seed=2)
-    pa = kernels._prepare("exact", *a, **opts, topk=10)
-    plan = next(iter(kernels._plans.values()))
-    pb = kernels._prepare("exact", *b, **opts, topk=10)
-    assert len(kernels._plans) == 1 and next(iter(kernels._plans.values())) is plan
+    pa = kernels.plan._prepare("exact", *a, **opts, topk=10)
+    plan = next(iter(kernels.plan._plans.values()))
+    pb = kernels.plan._prepare("exact", *b, **opts, topk=10)
+    assert len(kernels.plan._plans) == 1 and next(iter(kernels.plan._plans.values())) is plan
     for (na, ga, xa), (nb, gb, xb), (_, _, _, slots) in zip(pa.launches, pb.launches, plan.launches):
         assert (na, ga) == (nb, gb)
         pointer_args = {i for i, _, _ in slots}
@@ -391,15 +398,134 @@ def test_plan_is_cached_and_only_pointers_change():
             if i not in pointer_args:
                 assert type(va) is type(vb) and va == vb, (na, i)
         assert xa[0] == a[2].data_ptr() and xb[0] == b[2].data_ptr()  # target logits
-    kernels._prepare("exact", *a, **{**opts, "lenience": 0.5}, topk=10)  # another setting: another plan
-    kernels._prepare("exact", a[0], a[1], a[2].transpose(0, 1).contiguous().transpose(0, 1), *a[3:], **opts, topk=10)
-    kernels._prepare("exact", *a, **opts, topk=10, top_p=0.9)
-    assert len(kernels._plans) == 4
+    kernels.plan._prepare("exact", *a, **{**opts, "lenience": 0.5}, topk=10)  # another setting: another plan
+    kernels.plan._prepare("exact", a[0], a[1], a[2].transpose(0, 1).contiguous().transpose(0, 1), *a[3:], **opts, topk=10)
+    kernels.plan._prepare("exact", *a, **opts, topk=10, top_p=0.9)
+    assert len(kernels.plan._plans) == 4
+
+
+def test_loads_this_repositorys_kernels_and_never_a_package_named_kernels(tmp_path):
+    """project_kernels() loads kernels/ of this repository as `specviz_kernels`, submodules included, even
+    when a package named `kernels` comes first on sys.path and the working directory is elsewhere."""
+    decoy = tmp_path / "site" / "kernels"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy kernels package was imported')\n")
+    (decoy / "plan.py").write_text("raise ImportError('the decoy kernels.plan was imported')\n")
+    code = (
+        "import sys\n"
+        "from specviz.verify import project_kernels\n"
+        "k = project_kernels()\n"
+        "assert project_kernels() is k and k.__name__ == 'specviz_kernels'\n"
+        "k.available(); k.plan_chunks('exact', 1, 1, 100, 4)\n"
+        "assert 'kernels' not in sys.modules, sys.modules['kernels']\n"
+        "for name, m in sorted(sys.modules.items()):\n"
+        "    if name.split('.')[0] == 'specviz_kernels':\n"
+        "        print(name, m.__file__)\n"
+    )
+    path = os.pathsep.join([str(tmp_path / "site"), str(REPO), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    loaded = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert {"specviz_kernels", "specviz_kernels.plan", "specviz_kernels.launcher"} <= loaded.keys()
+    for name, file in loaded.items():
+        assert Path(file).parent == REPO / "kernels", (name, file)
+    # In this process too: every submodule the package holds comes from kernels/ here.
+    assert kernels.__name__ == "specviz_kernels" and Path(kernels.__file__) == REPO / "kernels" / "__init__.py"
+    for sub in ("sources", "build", "plan", "outputs", "launcher"):
+        module = getattr(kernels, sub)
+        assert module.__name__ == f"specviz_kernels.{sub}" and Path(module.__file__).parent == REPO / "kernels"
+
+
+def _race(n_threads: int, work) -> list:
+    """work(i) in n_threads threads released together; their results, in thread order."""
+    barrier = threading.Barrier(n_threads)
+
+    def run(i):
+        barrier.wait()
+        return work(i)
+
+    with concurrent.futures.ThreadPoolExecutor(n_threads) as pool:
+        return list(pool.map(run, range(n_threads)))
+
+
+def test_plan_cache_is_shared_across_threads(monkeypatch):
+    """Threads racing on the same keys all get the one cached plan per key; with a tiny cache that keeps
+    starting over, every thread still gets a plan of its own key."""
+    plan_module = kernels.plan
+    plan_module._plans.clear()
+    state = torch.zeros(kernels.state_size(3, 4), dtype=torch.int32)
+    opts = dict(scale=1.0, lenience=1.0, sigmoid_alpha=-1e4, sigmoid_beta=1e4, sms=132)
+    cases = [_cpu_case(B=3, gamma=4, V=1000, seed=1), _cpu_case(B=2, gamma=3, V=700, seed=2)]
+
+    def plan_of(i):
+        return plan_module._cached_plan("exact", *cases[i % 2], **opts, topk=10 * (i % 3))
+
+    plans = _race(12, plan_of)
+    assert len(plan_module._plans) == 6
+    for i, plan in enumerate(plans):
+        assert all(plan is other for j, other in enumerate(plans) if j % 6 == i % 6)
+        assert (plan.batch, plan.vocab) == ((3, 1000), (2, 700))[i % 2]
+
+    monkeypatch.setattr(plan_module, "_MAX_PLANS", 2)
+    for _ in range(5):
+        plan_module._plans.clear()
+        plans = _race(12, plan_of)
+        assert len(plan_module._plans) <= 2
+        assert [(p.batch, p.vocab) for p in plans] == [((3, 1000), (2, 700))[i % 2] for i in range(12)]
+    prep = plan_module._prepare("exact", *cases[0], **opts, state=state, topk=10)
+    assert prep.launches[0][2][11] == 10  # a plan built under contention still launches with its settings
+
+
+def test_state_and_stream_caches_are_shared_across_threads(monkeypatch):
+    """The state buffers (CPU tensors stand in) and CuPy stream handles (a fake CuPy) per (device, stream):
+    every thread gets a zero state at least as large as it asked for, and one handle per stream."""
+    launcher = kernels.launcher
+    monkeypatch.setattr(launcher, "_states", {})
+    monkeypatch.setattr(launcher, "_streams", {})
+    cpu = torch.device("cpu")
+    sizes = [100 * (i + 1) for i in range(8)] + [5000] * 4
+    states = _race(len(sizes), lambda i: launcher._state(cpu, 7, sizes[i]))
+    for size, state in zip(sizes, states):
+        assert state.dtype == torch.int32 and state.numel() >= size and not state.any()
+    assert launcher._states[(None, 7)].numel() >= 5000
+
+    made = []
+
+    class FakeStream:
+        @staticmethod
+        def from_external(stream):
+            made.append(stream.cuda_stream)
+            time.sleep(0.01)  # a slow wrap, to let racing threads meet
+            return object()
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=FakeStream))
+    streams = [types.SimpleNamespace(device=types.SimpleNamespace(index=0), cuda_stream=i % 3) for i in range(9)]
+    handles = _race(9, lambda i: launcher._cupy_stream(fake_cupy, streams[i]))
+    assert sorted(made) == [0, 1, 2]
+    for i, handle in enumerate(handles):
+        assert handle is handles[i % 3]
+
+
+def test_compile_happens_once_per_device_across_threads(monkeypatch):
+    build = kernels.build
+    monkeypatch.setattr(build, "_compiled", {})
+    calls = []
+
+    def fake_compile(device_index):
+        calls.append(device_index)
+        time.sleep(0.01)
+        return {"device": device_index}
+
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    got = _race(8, lambda i: build._functions(i % 2))
+    assert sorted(calls) == [0, 1]
+    assert all(g is got[i % 2] for i, g in enumerate(got))
 
 
 def test_host_lists_match_views():
     raw = torch.arange(7 * 2 * 8 + 16 * 2 * 3, dtype=torch.uint8)
-    views, lists = kernels._views(raw, 2, 3), kernels.host_lists(raw.numpy(), 2, 3)
+    views, lists = kernels.outputs._views(raw, 2, 3), kernels.host_lists(raw.numpy(), 2, 3)
     assert sorted(views) == sorted(lists)
     for k in views:
         assert views[k].tolist() == lists[k], k
@@ -775,7 +901,7 @@ def emulate(so, mode, tokens, dl, tl, u, u_res, *, scale=1.0, lenience=1.0, alph
     B, gamma = tokens.shape
     if state is None:
         state = torch.zeros(kernels.state_size(B, gamma) + 7, dtype=torch.int32)
-    prep = kernels._prepare(mode, tokens, dl, tl, u, u_res, scale=scale, lenience=lenience, sigmoid_alpha=alpha,
+    prep = kernels.plan._prepare(mode, tokens, dl, tl, u, u_res, scale=scale, lenience=lenience, sigmoid_alpha=alpha,
                             sigmoid_beta=beta, state=state, sms=sms, stats_chunk=stats_chunk,
                             residual_chunk=residual_chunk, topk=topk, top_p=top_p)
     for name, grid, args in prep.launches:
@@ -787,7 +913,7 @@ def emulate(so, mode, tokens, dl, tl, u, u_res, *, scale=1.0, lenience=1.0, alph
         rc = so.emu_launch(name.encode(), *grid, kernels.THREADS, ptrs, sizes, len(bufs), seed, err, 1024)
         assert rc == 0, f"{name} {grid}: {err.value.decode()}"
     assert bool((state == 0).all()), "the kernels must leave their ticket counters and error words at zero"
-    views = kernels._views(prep.buffer, B, gamma)
+    views = kernels.outputs._views(prep.buffer, B, gamma)
     kernels.raise_for_errors(views.pop("errors"), prep.vocab)
     name, _, args = prep.launches[0]
     if name.startswith("sv_exact_stats") and int(args[15]):  # top-k / top-p: the rows' (threshold, L)

@@ -1,4 +1,4 @@
-"""CTranslate2 reader and Whisper mapping: synthetic CT2 files and a tiny random Whisper; real speech when marked."""
+"""CTranslate2 reader, Whisper mapping, tokenizer and loader: synthetic CT2 files and a tiny random Whisper; real speech when marked."""
 
 from __future__ import annotations
 
@@ -18,17 +18,12 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-from specviz import whisper_ct2
+from specviz import whisper_loader
+from specviz.ct2_format import CT2FormatError, bf16_bits_to_float32, read_ct2
 from specviz.models import ModelLoadError
-from specviz.whisper_ct2 import (
-    CT2FormatError,
-    EmbeddedCT2,
-    ensure_embedded_whisper,
-    load_whisper,
-    read_ct2,
-    to_whisper,
-    whisper_tokenizer,
-)
+from specviz.whisper_ct2 import to_whisper, whisper_generation_config
+from specviz.whisper_loader import EmbeddedCT2, ensure_embedded_whisper, load_whisper
+from specviz.whisper_tokenizer import _repair_merges, whisper_tokenizer
 
 # ---------------------------------------------------------------------------------------------------------------
 # A CT2 writer: the format the reader must accept, written independently from the description.
@@ -110,7 +105,7 @@ def test_every_dtype_round_trips_exactly(tmp_path):
 def test_bf16_widening_matches_torch(tmp_path):
     values = torch.randn(64).to(torch.bfloat16)
     bits = values.view(torch.int16).numpy().view(np.uint16)
-    widened = whisper_ct2.bf16_bits_to_float32(bits)
+    widened = bf16_bits_to_float32(bits)
     assert np.array_equal(widened, values.float().numpy())
 
 
@@ -359,7 +354,7 @@ def test_generation_config_and_generate(tmp_path, tiny_world):
     assert g.is_multilingual
 
     # Without the vocabulary the special tokens follow from lang_ids alone, to the same ids.
-    no_vocab = whisper_ct2.whisper_generation_config(ct2_config, len(vocabulary), None, 12)
+    no_vocab = whisper_generation_config(ct2_config, len(vocabulary), None, 12)
     assert no_vocab.to_dict() == g.to_dict()
 
     features, _ = _inputs(model)
@@ -432,7 +427,7 @@ def test_missing_first_merge_is_restored(tmp_path, tiny_world):
     broken = Tokenizer.from_str(json.dumps(data))
     th = vocabulary.index("Ġth")
     assert th not in broken.encode(" th").ids  # without "Ġ t" the merge chain to "Ġth" is cut
-    assert whisper_ct2._repair_merges(data) == ["Ġt"]
+    assert _repair_merges(data) == ["Ġt"]
     assert Tokenizer.from_str(json.dumps(data)).encode(" th").ids == [th]
     (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json(vocabulary, drop_first_merge=True))
     tok = whisper_tokenizer(tmp_path / "tokenizer.json", vocabulary, len(vocabulary))
@@ -469,7 +464,7 @@ def test_ensure_converts_once_and_loads(tmp_path, monkeypatch, tiny_world):
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
     spec = make_fake_packages(tmp_path / "pkgs", tiny_world, "fakewhisper_ok")
-    monkeypatch.setattr(whisper_ct2, "EMBEDDED_WHISPER", spec)
+    monkeypatch.setattr(whisper_loader, "EMBEDDED_WHISPER", spec)
     messages = []
     path = ensure_embedded_whisper(lambda m, f: messages.append((m, f)))
     assert path == tmp_path / "cache" / spec.name

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -181,23 +182,37 @@ def verify(
 BACKENDS = ("auto", "torch", "cuda")
 
 
-_KERNELS_INIT = Path(__file__).resolve().parents[2] / "kernels" / "__init__.py"
-_KERNELS_MODULE = "specviz_kernels"
+_KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+_KERNELS_MODULE = "specviz_kernels"  # its submodules load as specviz_kernels.<name>
+_kernels_lock = threading.Lock()  # two threads' first calls must not both load it, nor see it half-executed
 
 
 def project_kernels() -> ModuleType:
     """specviz's own top-level kernels/ package, loaded from its path under a private module name.
 
     A PyPI package is also called `kernels`; a plain `import kernels` could pick that one up (or miss ours
-    when the working directory is elsewhere), so specviz never imports it by that name.
+    when the working directory is elsewhere), so specviz never imports it by that name. The package's
+    submodules import each other relatively, so they resolve under `specviz_kernels` from kernels/ too.
     """
-    module = sys.modules.get(_KERNELS_MODULE)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(_KERNELS_MODULE, _KERNELS_INIT,
-                                                      submodule_search_locations=[str(_KERNELS_INIT.parent)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_KERNELS_MODULE] = module
+    with _kernels_lock:
+        module = sys.modules.get(_KERNELS_MODULE)
+        if module is None:
+            module = _load_kernels()
+    return module
+
+
+def _load_kernels() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_KERNELS_MODULE, _KERNELS_DIR / "__init__.py",
+                                                  submodule_search_locations=[str(_KERNELS_DIR)])
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its relative imports find the parent package in sys.modules.
+    sys.modules[_KERNELS_MODULE] = module
+    try:
         spec.loader.exec_module(module)
+    except BaseException:
+        for name in [n for n in sys.modules if n == _KERNELS_MODULE or n.startswith(_KERNELS_MODULE + ".")]:
+            del sys.modules[name]  # a later call retries from scratch instead of finding a broken package
+        raise
     return module
 
 

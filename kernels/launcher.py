@@ -1,0 +1,197 @@
+"""Launching a verification on the GPU (CuPy on torch's current stream) and reading its outputs back.
+
+Importing this module needs neither CuPy nor a GPU: CuPy is imported inside `launch`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .build import _functions
+from .outputs import _views, host_lists, raise_for_errors
+from .plan import _prepare, state_size
+from .sources import THREADS
+
+# The zero int32 state of each (device index, stream pointer). Guarded: two threads can launch on one stream
+# (both on the default stream, say), and then they share its state, which is safe because their kernels run
+# one after another on that stream. The lock covers lookup and insert only; torch.zeros queues a fill on the
+# stream, so it runs outside the lock, and of two racing allocations the first insert wins.
+_states: dict[tuple[int, int], torch.Tensor] = {}
+_states_lock = threading.Lock()
+
+
+def _state(device: torch.device, stream: int, entries: int) -> torch.Tensor:
+    """The zero int32 state (ticket counters, error words) of one device and stream; the kernels re-zero it.
+
+    Call with `stream` current on `device`: a new state's zero fill is queued there, ahead of its kernels.
+    """
+    key = (device.index, stream)
+    with _states_lock:
+        state = _states.get(key)
+    if state is not None and state.numel() >= entries:
+        return state
+    fresh = torch.zeros(max(entries, 1024), dtype=torch.int32, device=device)
+    with _states_lock:
+        state = _states.get(key)
+        if state is None or state.numel() < entries:
+            # A replaced, smaller state may still be read by kernels queued on this stream: torch's caching
+            # allocator hands its memory out again only to work queued after them on the same stream.
+            state = _states[key] = fresh
+    return state
+
+
+# CuPy's handle on each (device index, torch stream pointer). Guarded: threads decoding on different streams
+# fill it concurrently. Making a handle only wraps the pointer (no device work), so it happens under the lock.
+# Sharing one handle between threads is safe: CuPy keeps the stack that `with handle:` pushes per thread.
+_streams: dict[tuple[int, int], object] = {}
+_streams_lock = threading.Lock()
+
+
+def _cupy_stream(cupy, stream: torch.cuda.Stream):
+    """CuPy's handle on a torch stream (cached by device and pointer), so the kernels queue behind torch's work."""
+    key = (stream.device.index, stream.cuda_stream)
+    with _streams_lock:
+        handle = _streams.get(key)
+        if handle is None:
+            handle = _streams[key] = _wrap_stream(cupy, stream)
+        return handle
+
+
+def _wrap_stream(cupy, stream: torch.cuda.Stream):
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14
+    if from_external is not None:
+        try:
+            return from_external(stream)
+        except Exception:
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+
+
+# Not locked: the count is a pure function of the device, so a racing duplicate call is harmless, and
+# lru_cache's own bookkeeping is thread-safe.
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@dataclass
+class Launched:
+    """One verification on the GPU: device views of the outputs, and their host copy when it was read back."""
+
+    outputs: dict  # verify_tiled's keys -> device tensors (views of the call's buffer)
+    host: dict | None  # the same keys -> Python lists ([B] or [B][γ]), from the one readback; None if check=False
+
+
+def launch(
+    mode: str,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    u: torch.Tensor,  # [B, γ]
+    u_res: torch.Tensor,  # [B]
+    *,
+    scale: float = 1.0,
+    lenience: float = 1.0,
+    sigmoid_alpha: float = -1e4,
+    sigmoid_beta: float = 1e4,
+    topk: int = 0,
+    top_p: float = 1.0,
+    check: bool = True,
+    stats_chunk: int | None = None,
+    residual_chunk: int | None = None,
+    events: tuple | None = None,
+) -> Launched:
+    """`verify_cuda`'s work, returning the device outputs and (check=True) the host lists of the readback.
+
+    The readback copies the few output bytes into pinned host memory and waits for that copy only: the
+    one host sync of a call. events: optional (start, end) torch.cuda.Events recorded right before the
+    first and after the last kernel launch (benchmarks: GPU time without the host's share).
+    """
+    if not target_logits.is_cuda:
+        raise ValueError("verify_cuda needs CUDA tensors")
+    import cupy
+
+    device = target_logits.device
+    B, gamma = draft_tokens.shape if draft_tokens.dim() == 2 else (0, 0)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        state = _state(device, stream.cuda_stream, state_size(max(B, 1), max(gamma, 1)))
+        prep = _prepare(
+            mode, draft_tokens, draft_logits, target_logits, u, u_res,
+            scale=scale, lenience=lenience, sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta,
+            state=state, sms=_sm_count(device.index), stats_chunk=stats_chunk, residual_chunk=residual_chunk,
+            topk=topk, top_p=top_p,
+        )
+        functions = _functions(device.index)
+        if events is not None:
+            events[0].record(stream)
+        with cupy.cuda.Device(device.index), _cupy_stream(cupy, stream):
+            for name, grid, args in prep.launches:
+                functions[name](grid, (THREADS, 1, 1), args)
+        if events is not None:
+            events[1].record(stream)
+        outputs = _views(prep.buffer, prep.batch, prep.gamma)
+        outputs.pop("errors")
+        if not check:
+            return Launched(outputs, None)
+        pinned = torch.empty(prep.out_bytes, dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(prep.buffer[: prep.out_bytes], non_blocking=True)
+        stream.synchronize()  # the one host sync: waits for the kernels and this copy
+    host = host_lists(pinned.numpy(), prep.batch, prep.gamma)
+    raise_for_errors(host.pop("errors"), prep.vocab)
+    return Launched(outputs, host)
+
+
+def verify_cuda(
+    mode: str,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    u: torch.Tensor,  # [B, γ]
+    u_res: torch.Tensor,  # [B]
+    *,
+    scale: float = 1.0,
+    lenience: float = 1.0,
+    sigmoid_alpha: float = -1e4,
+    sigmoid_beta: float = 1e4,
+    topk: int = 0,
+    top_p: float = 1.0,
+    check: bool = True,
+    host: bool = False,
+    stats_chunk: int | None = None,
+    residual_chunk: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Verify on the GPU; returns verify_tiled's keys: n_accepted, next_token, accept_prob, uniforms, p_draft, q_draft.
+
+    mode: 'exact' or 'sigmoid'. Logits as verify_tiled receives them after its own preparation: raw logits
+    with scale = 1/temperature (temperature-only sampling), or standardized logits (-inf masks) with scale = 1.
+    topk (1..MAX_TOPK; 0 = off) and top_p ((0, 1]; 1 = off), either mode: filter each row inside the kernels
+    as `standardize` does, on raw logits with scale = topk_scale(T): top-k keeps the k largest values of
+    scale·logits (ties with the k-th kept), then top-p drops a value when the mass of the larger ones
+    reaches fp32(top_p) (the largest always stays; ties with the boundary value all kept, see verify.cu).
+    u [B, γ] and u_res [B]: the uniforms, drawn by the caller (u first, then u_res).
+    check: read the few output bytes back once and raise InvalidLogitsError (NaN / +inf / all -inf logits,
+    naming tensor and row) or ValueError (drafted token outside [0, V)); False: no host sync, no errors.
+    host: return CPU tensors made from that readback instead of device tensors (needs check=True).
+    stats_chunk / residual_chunk: columns per block (default: sized to fill the GPU); tests use them.
+    """
+    if host and not check:
+        raise ValueError("host=True needs check=True (the readback)")
+    done = launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
+                  sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, topk=topk, top_p=top_p, check=check,
+                  stats_chunk=stats_chunk, residual_chunk=residual_chunk)
+    if not host:
+        return done.outputs
+    h = done.host
+    return dict(
+        n_accepted=torch.tensor(h["n_accepted"], dtype=torch.long),
+        next_token=torch.tensor(h["next_token"], dtype=torch.long),
+        **{k: torch.tensor(h[k], dtype=torch.float32) for k in ("accept_prob", "uniforms", "p_draft", "q_draft")},
+    )

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import gradio as gr
 
-from specviz import handlers, page, settings
+from specviz import handlers, page, sessions, settings
 from specviz.handlers import COMPARE_COLUMNS, VIEW, Server
 from specviz.models import cache_dir
 from specviz.prompts import ASSETS, sample_article
@@ -230,8 +230,8 @@ SHOWN = ["status", "trace", "export", "results", "replay", *VIEW]  # a run, or a
 RESTORED = [*SHOWN, *settings.page_names(), "article"]  # an opened trace also restores its settings and input
 
 
-def build(models: page.ModelCache) -> gr.Blocks:
-    server = Server(models, page.Stops(), page.References())
+def build(models: sessions.ModelCache) -> gr.Blocks:
+    server = Server(models, sessions.Stops(), page.References())
     with gr.Blocks(title="specviz: speculative decoding you can watch") as demo:
         c = layout()
         wire = Wiring(c)
@@ -260,11 +260,11 @@ def build(models: page.ModelCache) -> gr.Blocks:
     return demo
 
 
-def _model_access(host: str, dirs: list[str] | None) -> page.ModelAccess:
+def _model_access(host: str, dirs: list[str] | None) -> sessions.ModelAccess:
     """Any local path when only this machine can reach the page; named directories otherwise."""
     if host in ("127.0.0.1", "localhost", "::1") and not dirs:
-        return page.ModelAccess()
-    return page.ModelAccess(tuple(Path(d).expanduser().resolve() for d in (dirs or [str(cache_dir())])))
+        return sessions.ModelAccess()
+    return sessions.ModelAccess(tuple(Path(d).expanduser().resolve() for d in (dirs or [str(cache_dir())])))
 
 
 def main() -> None:
@@ -275,7 +275,7 @@ def main() -> None:
                         help="on a non-local address, local model paths are accepted only under these directories "
                              "(repeatable; default: the specviz model cache)")
     args = parser.parse_args()
-    demo = build(page.ModelCache(access=_model_access(args.host, args.models_dir)))
+    demo = build(sessions.ModelCache(access=_model_access(args.host, args.models_dir)))
     # allowed_paths: the sample clip is served from the assets folder wherever the app is started from
     demo.queue(default_concurrency_limit=4).launch(server_name=args.host, server_port=args.port, css=CSS, js=CLICK_JS,
                                                    show_error=True, max_file_size=MAX_UPLOAD,

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping
 import gradio as gr
 import pandas as pd
 
-from . import page
+from . import page, sessions
 from .compare import Row
 from .prompts import ASSETS, sample_article
 from .settings import TEXT, Settings, page_names
@@ -50,8 +50,8 @@ class Server:
     """What all sessions of one page share. Each member guards itself: models load once under a per-pair
     lock, the Stop table and the reference table take their own locks."""
 
-    models: page.ModelCache
-    stops: page.Stops
+    models: sessions.ModelCache
+    stops: sessions.Stops
     references: page.References
 
 

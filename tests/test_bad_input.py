@@ -143,7 +143,7 @@ def test_public_page_accepts_local_models_only_under_named_dirs(tmp_path):
     """With --models-dir (a public address), paths elsewhere are refused with one message whether they
     exist or not; hub ids, the default pair and layer drafts pass; paths inside the named dir pass."""
     from specviz.models import ModelLoadError
-    from specviz.page import ModelAccess
+    from specviz.sessions import ModelAccess
 
     allowed = tmp_path / "models"
     (allowed / "mine").mkdir(parents=True)

@@ -8,7 +8,7 @@ import json
 import gradio as gr
 
 import app
-from specviz import handlers, page, settings
+from specviz import handlers, page, sessions, settings
 from specviz.config import SpecConfig
 from specviz.runs import run
 from specviz.settings import TEXT, Settings
@@ -19,7 +19,7 @@ from conftest import decode
 
 
 def _server(pair) -> handlers.Server:
-    return handlers.Server(page.ModelCache(loader=lambda draft, target, progress: pair), page.Stops(),
+    return handlers.Server(sessions.ModelCache(loader=lambda draft, target, progress: pair), sessions.Stops(),
                            page.References())
 
 

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from specviz import page, report
+from specviz import page, report, sessions
 from specviz.compare import compare, noise, source_runner
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.runs import run
-from specviz.settings import Settings
+from specviz.settings import SPEECH, TEXT, Settings
 from specviz.trace import Trace
 
 from conftest import decode, prompts_source
@@ -34,7 +34,7 @@ class _Models:
 def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
     source = prompts_source(tiny_pair, [prompt_ids])
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=200, gamma_policy="constant", gamma_init=2)
-    stop = page.StopFlag()
+    stop = sessions.StopFlag()
     seen = []
     for trace, done in page._streamed(source, cfg, {}, stop):
         seen.append(len(trace.steps))
@@ -49,7 +49,7 @@ def test_a_closed_stream_stops_its_worker(tiny_pair, prompt_ids):
     """Gradio dropping the generator (a closed tab) must not leave the decoding thread running."""
     source = prompts_source(tiny_pair, [prompt_ids])
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=200, gamma_policy="constant", gamma_init=2)
-    stop = page.StopFlag()
+    stop = sessions.StopFlag()
     before = threading.active_count()
     stream = page._streamed(source, cfg, {}, stop)
     next(stream)
@@ -62,7 +62,7 @@ def test_a_closed_stream_stops_its_worker(tiny_pair, prompt_ids):
 
 
 def test_stops_table_is_per_session():
-    stops = page.Stops()
+    stops = sessions.Stops()
     a, b = stops.start("a"), stops.start("b")
     assert stops.stop("a", "Stop pressed") and a.is_set() and a.reason == "Stop pressed" and not b.is_set()
     stops.end("b", b)
@@ -76,14 +76,14 @@ def test_reference_is_measured_once_and_reused(tiny_pair):
     models, references = _Models(tiny_pair), page.References()
     settings = Settings(max_new_tokens=8, target="tiny")
     article = "w1 w2 w3 w4 w5 w6"
-    first = page.measure_reference(models, references, page.TEXT, article, settings, lambda m, f: None, page.StopFlag())
-    again = page.measure_reference(models, references, page.TEXT, article, settings, lambda m, f: None, page.StopFlag())
+    first = page.measure_reference(models, references, TEXT, article, settings, lambda m, f: None, sessions.StopFlag())
+    again = page.measure_reference(models, references, TEXT, article, settings, lambda m, f: None, sessions.StopFlag())
     assert not first["reused"] and again["reused"] and first["decode_tokens_per_s"] == again["decode_tokens_per_s"]
     assert first["new_tokens"] == 8
-    other = page.References.key(page.TEXT, article, Settings(max_new_tokens=8, target="tiny", seed=1))
-    assert other != page.References.key(page.TEXT, article, settings)  # another seed is another reference
+    other = page.References.key(TEXT, article, Settings(max_new_tokens=8, target="tiny", seed=1))
+    assert other != page.References.key(TEXT, article, settings)  # another seed is another reference
     draft_only = Settings(max_new_tokens=8, target="tiny", mode="sigmoid", draft_kind="lookup")
-    assert page.References.key(page.TEXT, article, draft_only) == page.References.key(page.TEXT, article, settings)
+    assert page.References.key(TEXT, article, draft_only) == page.References.key(TEXT, article, settings)
 
 
 def test_measured_speedup_is_labelled_as_measured(tiny_pair, prompt_ids):
@@ -139,9 +139,9 @@ def test_sigmoid_warning_only_when_far(tiny_pair, prompt_ids):
 
 
 @pytest.mark.parametrize("task, rounds, with_hf, message", [
-    (page.TEXT, 0, False, "1 to 10 rounds"),
-    (page.TEXT, 11, False, "1 to 10 rounds"),
-    (page.SPEECH, 1, True, "text with one sequence"),
+    (TEXT, 0, False, "1 to 10 rounds"),
+    (TEXT, 11, False, "1 to 10 rounds"),
+    (SPEECH, 1, True, "text with one sequence"),
 ])
 def test_compare_refuses_bad_settings_with_a_message(tiny_pair, task, rounds, with_hf, message):
     from specviz.prompts import InputError

@@ -100,6 +100,8 @@ def layout() -> dict[str, Any]:
                     _run_results(c)
                 with gr.Tab("Compare modes", id="compare-results"):
                     _compare_results(c)
+                with gr.Tab("Evaluate", id="eval-results"):
+                    _eval_results(c)
     return c
 
 
@@ -184,6 +186,30 @@ def _compare_results(c: dict[str, Any]) -> None:
         c["open_button"] = gr.Button("Open it in “This run” (then export it there)", elem_id="open-compare-trace")
 
 
+def _eval_results(c: dict[str, Any]) -> None:
+    gr.Markdown("A sweep over a data set: every mode and target-only on each example, Wagner et al.'s Table 1 (per "
+                "mode) and Table 2 (sigmoid's range). Load a results file from `python -m specviz eval`, or run a "
+                f"small sweep here on the bundled set with the settings on the left (at most "
+                f"{handlers.PAGE_SWEEP_EXAMPLES} examples, {handlers.PAGE_SWEEP_TOKENS} tokens each).",
+                elem_id="eval-intro")
+    with gr.Row():
+        c["eval_data"] = gr.Radio([("articles", "text"), ("speech clips", "speech")], value="text",
+                                  label="Bundled set", elem_id="eval-data")
+        c["eval_examples"] = gr.Slider(1, handlers.PAGE_SWEEP_EXAMPLES, value=2, step=1, label="Examples",
+                                       elem_id="eval-examples")
+    with gr.Row():
+        c["eval_button"] = gr.Button("Evaluate", elem_id="eval-button")
+        c["eval_download"] = gr.DownloadButton("Download results (JSONL)", value=None, interactive=False,
+                                               elem_id="eval-download")
+    c["eval_upload"] = gr.File(label="Load a results file (JSONL)", file_types=[".jsonl"], elem_id="eval-upload",
+                               height=90)
+    c["eval_note"] = gr.Markdown(elem_id="eval-note")
+    c["eval_table1"] = gr.Markdown(elem_id="eval-table1")
+    c["eval_table2"] = gr.Markdown(elem_id="eval-table2")
+    c["eval_tradeoff_plot"] = gr.Plot(elem_id="eval-tradeoff-plot", show_label=False, visible=False)
+    c["eval_gamma_plot"] = gr.Plot(elem_id="eval-gamma-plot", show_label=False, visible=False)
+
+
 def _progress(progress: gr.Progress) -> handlers.Progress:
     # fraction None: Gradio shows the message without a made-up percentage
     return lambda message, fraction: progress(fraction, desc=message)
@@ -222,10 +248,12 @@ class Wiring:
         return event(call, [self.c[n] for n in inputs], [self.c[n] for n in outputs], **options)
 
 
-BUTTONS = ["run_button", "compare_button", "stop_button"]
+BUTTONS = [*handlers.STARTS, "stop_button"]
 RUN_INPUTS = ["task", "article", "audio", "reference_summary", "reference_transcript", "measure", *settings.page_names()]
 COMPARE_INPUTS = ["task", "article", "audio", "rounds", "with_hf", *settings.page_names()]
 COMPARE_OUTPUTS = ["status", "results", "compare_table", "compare_note", "compare_plot", "compare_state", "compare_pick"]
+EVAL_INPUTS = ["eval_data", "eval_examples", *settings.page_names()]
+EVAL_SHOWN = ["status", "results", "eval_note", "eval_table1", "eval_table2", "eval_tradeoff_plot", "eval_gamma_plot"]
 SHOWN = ["status", "trace", "export", "results", "replay", *VIEW]  # a run, or a trace opened
 RESTORED = [*SHOWN, *settings.page_names(), "article"]  # an opened trace also restores its settings and input
 
@@ -237,7 +265,9 @@ def build(models: sessions.ModelCache) -> gr.Blocks:
         wire = Wiring(c)
         for button, handler, inputs, outputs in ((c["run_button"], partial(handlers.run, server), RUN_INPUTS, SHOWN),
                                                  (c["compare_button"], partial(handlers.compare, server),
-                                                  COMPARE_INPUTS, COMPARE_OUTPUTS)):
+                                                  COMPARE_INPUTS, COMPARE_OUTPUTS),
+                                                 (c["eval_button"], partial(handlers.evaluate, server), EVAL_INPUTS,
+                                                  [*EVAL_SHOWN, "eval_download"])):
             busy = wire.connect(button.click, handlers.busy, [], ["status", *BUTTONS], queue=False)
             going = wire.connect(busy.then, handler, inputs, outputs, caller=True, concurrency_limit=1)
             wire.connect(going.then, handlers.idle, [], BUTTONS, queue=False)
@@ -248,6 +278,7 @@ def build(models: sessions.ModelCache) -> gr.Blocks:
 
         demo.unload(on_unload)
         wire.connect(c["trace_upload"].upload, handlers.upload, ["trace_upload"], RESTORED)
+        wire.connect(c["eval_upload"].upload, handlers.evaluate_upload, ["eval_upload"], EVAL_SHOWN)
         wire.connect(c["open_button"].click, handlers.open_compared, ["compare_state", "compare_pick"], RESTORED)
         for event in (c["replay"].input, c["replay"].release):
             wire.connect(event, handlers.replay, ["trace", "replay"], VIEW, show_progress="hidden")

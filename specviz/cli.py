@@ -10,8 +10,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import cli_bench, cli_common as common, machine
+from . import cli_bench, cli_common as common, cli_eval, machine
 from .audio import AudioError
+from .eval_ray import RayUnavailable
 from .compare import compare, hf_assisted_runs, noise, source_runner
 from .config import DRAFT_KINDS, GAMMA_POLICIES, MODES, SpecConfig
 from .models import ModelLoadError
@@ -241,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra runs in the first mode with other γ policies, e.g. cost hf constant:1 constant:3")
     c.set_defaults(func=cmd_compare)
     cli_bench.add_commands(sub)
+    cli_eval.add_command(sub)
     return parser
 
 
@@ -249,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (InputError, AudioError, ModelLoadError, InvalidLogitsError, TraceFormatError, ValueError, OSError) as e:
+    except (InputError, AudioError, ModelLoadError, InvalidLogitsError, TraceFormatError, ValueError, OSError,
+            RayUnavailable) as e:
         print(f"specviz: error: {e}", file=sys.stderr)
         return 2
 

@@ -26,7 +26,7 @@ GAMMA_COLORS = {1: "#0969da", 2: "#1a7f37", 3: "#bf8700", 5: "#cf222e", 7: "#825
 PREDICTED_COLOR, MEASURED_COLOR = "#24292f", "#e16f24"
 
 
-def _layout(fig: go.Figure, title: str, height: int = 320, top: int = 60) -> go.Figure:
+def phone_layout(fig: go.Figure, title: str, height: int = 320, top: int = 60) -> go.Figure:
     """Phone-friendly defaults: container width, horizontal legend below, small subplot titles."""
     fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)), template="plotly_white",
                       autosize=True, height=height, margin=dict(l=55, r=15, t=top, b=40), font=dict(size=11),
@@ -58,7 +58,7 @@ def gamma_figure(trace: Trace, upto: int | None = None) -> go.Figure:
                              line_shape="hvh", line_color="#24292f"))
     fig.update_xaxes(title="iteration")
     fig.update_yaxes(title="tokens per iteration", rangemode="tozero")
-    return _layout(fig, f"γ per iteration (policy: {policy})")
+    return phone_layout(fig, f"γ per iteration (policy: {policy})")
 
 
 _ALPHA_NOTE = ("α: mean of min(1, p/q) over examined drafts (the chance a draft passes)<br>"
@@ -111,7 +111,7 @@ def acceptance_figure(trace: Trace, upto: int | None = None) -> go.Figure:
     fig.update_xaxes(title="iteration", row=1, col=1)
     fig.update_xaxes(title="draft position", row=2, col=1)
     fig.update_xaxes(title="iteration", row=2, col=2)
-    return _layout(fig, f"acceptance<br><sup>{_ALPHA_NOTE}</sup>", height=820, top=105)
+    return phone_layout(fig, f"acceptance<br><sup>{_ALPHA_NOTE}</sup>", height=820, top=105)
 
 
 def _per_sequence(fig: go.Figure, trace: Trace) -> None:
@@ -157,7 +157,7 @@ def timing_figure(trace: Trace, upto: int | None = None) -> go.Figure:
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title="iteration")
     fig.update_yaxes(title="ms per iteration")
-    return _layout(fig, "time per iteration")
+    return phone_layout(fig, "time per iteration")
 
 
 def verify_figure(trace: Trace, upto: int | None = None) -> go.Figure:
@@ -187,7 +187,7 @@ def verify_figure(trace: Trace, upto: int | None = None) -> go.Figure:
     fig.update_yaxes(title="calls", showticklabels=False, row=1, col=1)
     fig.update_xaxes(title="% of draft + target + verify seconds", range=[0, 100], row=2, col=1)
     fig.update_yaxes(title="iterations", row=2, col=1)
-    return _layout(fig, "verification: time per call and share of the iteration", height=420)
+    return phone_layout(fig, "verification: time per call and share of the iteration", height=420)
 
 
 def batch_figure(trace: Trace, upto: int | None = None) -> go.Figure:
@@ -216,7 +216,7 @@ def batch_figure(trace: Trace, upto: int | None = None) -> go.Figure:
     fig.update_yaxes(title="share", range=[0, 1], row=2, col=1)
     fig.update_xaxes(title="iteration", row=1, col=1)
     fig.update_xaxes(title="iteration", matches="x", row=2, col=1)  # zooming one zooms both
-    fig = _layout(fig, f"batch of {trace.batch_size}: ragged acceptance", top=70)
+    fig = phone_layout(fig, f"batch of {trace.batch_size}: ragged acceptance", top=70)
     fig.update_layout(height=440 + 18 * len(trace.sequences))
     return fig
 
@@ -262,7 +262,7 @@ def compare_figure(rows: list[Row]) -> go.Figure:
     fig.update_xaxes(title="µs per verify call (median)", rangemode="tozero", row=2, col=1)
     fig.update_layout(showlegend=False)
     how = f"median of {rounds} rounds, bars span min–max" if rounds > 1 else "one round"
-    return _layout(fig, f"modes side by side<br><sup>same input and seed; {how}</sup>",
+    return phone_layout(fig, f"modes side by side<br><sup>same input and seed; {how}</sup>",
                    height=260 + 56 * max(1, len(rows)), top=80)
 
 
@@ -321,4 +321,4 @@ def theory_figure(trace: Trace, upto: int | None = None, measured_speedup: float
     fig.update_xaxes(title="α (acceptance probability)", range=[0, 1])
     fig.update_yaxes(title="tokens per iteration", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title="speedup vs target-only (×)", rangemode="tozero", row=1, col=2)
-    return _layout(fig, "theory (Leviathan et al. §3): prediction vs measurement", height=360, top=70)
+    return phone_layout(fig, "theory (Leviathan et al. §3): prediction vs measurement", height=360, top=70)

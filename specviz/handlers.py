@@ -7,6 +7,7 @@ components and wires events. So every handler is importable and testable without
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import time
 from dataclasses import dataclass
@@ -18,8 +19,13 @@ import pandas as pd
 
 from . import page, sessions
 from .compare import Row
-from .prompts import ASSETS, sample_article
-from .settings import TEXT, Settings, page_names
+from .eval_data import BUNDLED_SPEECH, BUNDLED_TEXT, describe, load_examples
+from .eval_figures import tradeoff_figure, verify_gamma_figure
+from .eval_results import Results, ResultsError, load_results, summarize, table1, table2
+from .eval_run import Models, ResultsFile, SweepProgress, run_serial
+from .prompts import ASSETS, InputError, sample_article
+from .settings import SPEECH, TEXT, Settings, page_names
+from .sweep import Grid
 from .trace import Trace, TraceFormatError
 from .figures import compare_figure
 from .why_panel import why_html
@@ -86,15 +92,17 @@ def _download(trace: Trace) -> gr.DownloadButton:
     return gr.DownloadButton(value=page.export(trace), interactive=True)
 
 
+STARTS = ("run_button", "compare_button", "eval_button")  # what starts work in a session: one at a time
+
+
 def busy(values: Values) -> Updates:
-    """Run and Compare off, Stop on, while this session's run is queued or going."""
-    return {"status": stamp("Queued: waiting for a free worker…"), "run_button": gr.Button(interactive=False),
-            "compare_button": gr.Button(interactive=False), "stop_button": gr.Button(interactive=True)}
+    """Run, Compare and Evaluate off, Stop on, while this session's work is queued or going."""
+    return {"status": stamp("Queued: waiting for a free worker…"), "stop_button": gr.Button(interactive=True),
+            **{name: gr.Button(interactive=False) for name in STARTS}}
 
 
 def idle(values: Values) -> Updates:
-    return {"run_button": gr.Button(interactive=True), "compare_button": gr.Button(interactive=True),
-            "stop_button": gr.Button(interactive=False)}
+    return {"stop_button": gr.Button(interactive=False), **{name: gr.Button(interactive=True) for name in STARTS}}
 
 
 def _source_input(values: Values) -> str | None:
@@ -241,3 +249,72 @@ def sample_text(values: Values) -> Updates:
 
 def sample_audio(values: Values) -> Updates:
     return {"audio": SAMPLE_AUDIO, "reference_transcript": SAMPLE_TRANSCRIPT}
+
+
+PAGE_SWEEP_TOKENS = 32  # a sweep from the page stays short: the CLI (or Ray) runs the real ones
+PAGE_SWEEP_EXAMPLES = 4
+
+
+def evaluation(results: Results) -> Updates:
+    """A sweep's tables and figures."""
+    rows = summarize(results)
+    h = results.header
+    failed = sum(r["status"] == "failed" for r in results.cells)
+    note = (f"{len(results.cells)} cells ({failed} failed) · {html.escape(str(h.get('data', '?')))[:200]} · "
+            f"{html.escape(str(h.get('models', '?')))[:200]} · {html.escape(str(h.get('machine', '?')))[:200]}")
+    return {"eval_note": note, "eval_table1": table1(rows), "eval_table2": table2(rows),
+            "eval_tradeoff_plot": gr.Plot(tradeoff_figure(rows), visible=True),
+            "eval_gamma_plot": gr.Plot(verify_gamma_figure(rows), visible=True)}
+
+
+def evaluate_upload(values: Values) -> Updates:
+    """Show a results file (untrusted: load_results checks every record and names a bad line)."""
+    file = values["eval_upload"]
+    if file is None:
+        return {}
+    path = file if isinstance(file, str) else file.name
+    try:
+        results = load_results(path)
+    except ResultsError as e:
+        return {"status": error(e)}
+    return {"status": stamp(f"Loaded the sweep {html.escape(Path(path).name)}: no model was run."),
+            "results": gr.Tabs(selected="eval-results"), **evaluation(results)}
+
+
+def evaluate(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    """A small sweep on the bundled set with the page's settings: every mode, target-only as the reference,
+    at most PAGE_SWEEP_EXAMPLES examples and PAGE_SWEEP_TOKENS tokens; Stop ends it after the cell in flight."""
+    stop = server.stops.start(caller.session)
+    try:
+        settings = settings_of(values)
+        task = TEXT if values["eval_data"] == "text" else SPEECH
+        count = int(values["eval_examples"])
+        if not 1 <= count <= PAGE_SWEEP_EXAMPLES:
+            raise InputError(f"the page evaluates 1 to {PAGE_SWEEP_EXAMPLES} examples; the CLI runs whole data sets")
+        data = BUNDLED_TEXT if task == TEXT else BUNDLED_SPEECH
+        examples = load_examples(data, limit=count)
+        base = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, PAGE_SWEEP_TOKENS))
+        grid = Grid(policies=(settings.gamma_policy,), sigmoid_ranges=((settings.sigmoid_alpha, settings.sigmoid_beta),),
+                    temperatures=(0.0 if settings.greedy else settings.temperature,), seeds=(settings.seed,), base=base)
+        cells = grid.cells(examples)
+        yield {"status": stamp(f"Evaluating: {len(cells)} runs on {len(examples)} bundled example(s); loading models…"),
+               "results": gr.Tabs(selected="eval-results")}
+        load = server.models.text if task == TEXT else server.models.speech
+        pair = load(settings.draft, settings.target, caller.progress)
+        path = page.download_folder() / f"specviz-eval-{task}-{time.strftime('%Y%m%d-%H%M')}.jsonl"
+
+        def on_cell(progress: SweepProgress, record: dict) -> None:
+            caller.progress(f"run {progress.done} of {progress.total}: {record['example']} · {record['variant']}",
+                            progress.done / progress.total)
+
+        models = Models(task, settings.draft, settings.target)
+        done = run_serial(cells, grid, models, ResultsFile(path), describe(data, examples=examples), on_cell=on_cell,
+                          should_stop=stop.is_set, pair=pair)
+        what = "Stopped" if stop.is_set() else "Done"
+        yield {"status": stamp(f"{what}: {done.done} of {done.total} runs ({done.failed} failed)."),
+               "eval_download": gr.DownloadButton(value=str(path), interactive=True),
+               **evaluation(load_results(path))}
+    except Exception as e:
+        yield {"status": error(e)}
+    finally:
+        server.stops.end(caller.session, stop)

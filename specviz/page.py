@@ -280,22 +280,26 @@ def export_name(trace: Trace) -> str:
            f"{time.strftime('%Y%m%d-%H%M')}.json"
 
 
-def export(trace: Trace) -> str:
-    """Write the trace for a download (Trace.save: atomic, indented); returns the path.
-
-    Each export gets its own directory, so that two exports in one minute keep their readable name; a failed
-    export removes it.
-    """
+def download_folder() -> Path:
+    """A fresh folder for one download (an export, a sweep's results), so that two in one minute keep their
+    readable names; the oldest beyond EXPORTS_KEPT are deleted so the disk does not fill."""
     EXPORT_DIR.mkdir(exist_ok=True)
+    old = sorted((d for d in EXPORT_DIR.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
+    for path in old[: max(0, len(old) + 1 - EXPORTS_KEPT)]:
+        shutil.rmtree(path, ignore_errors=True)
     folder = EXPORT_DIR / secrets.token_hex(8)
     folder.mkdir()
+    return folder
+
+
+def export(trace: Trace) -> str:
+    """Write the trace for a download (Trace.save: atomic, indented); returns the path. A failed export
+    leaves nothing behind."""
+    folder = download_folder()
     final = folder / export_name(trace)
     try:
         trace.save(final)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    old = sorted((d for d in EXPORT_DIR.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)[:-EXPORTS_KEPT]
-    for path in old:
-        shutil.rmtree(path, ignore_errors=True)
     return str(final)

@@ -13,6 +13,7 @@ from specviz.config import SpecConfig
 from specviz.runs import run
 from specviz.settings import TEXT, Settings
 from specviz.text import article_source
+from specviz.eval_results import load_results
 from specviz.trace import Trace
 
 from conftest import decode
@@ -121,3 +122,36 @@ def test_buttons_and_samples_update_only_their_outputs():
     assert handlers.idle({})["stop_button"].interactive is False
     assert set(handlers.sample_audio({})) == {"audio", "reference_transcript"}
     assert handlers.sample_text({})["article"].strip()
+
+
+def test_evaluate_runs_a_small_sweep_and_stop_ends_it(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(page, "EXPORT_DIR", tmp_path / "downloads")
+    server = _server(tiny_pair)
+    caller, messages = _caller("eval")
+    values = {**_values(decoding="greedy", max_new_tokens=200), "eval_data": "text", "eval_examples": 1}
+    updates = list(handlers.evaluate(server, values, caller))
+    for u in updates:
+        assert set(u) <= {*app.EVAL_SHOWN, "eval_download"}
+    final = updates[-1]
+    assert "Done: 4 of 4 runs (0 failed)" in final["status"], final["status"]
+    assert "| exact · γ auto | 0 | 1 | " in final["eval_table1"] and "| default | default | auto | 0 | 1 |" in final["eval_table2"]
+    assert final["eval_tradeoff_plot"].visible and any("run 4 of 4" in m for m in messages)
+    results = load_results(final["eval_download"].value["path"])
+    assert all(r["new_tokens"] <= handlers.PAGE_SWEEP_TOKENS for r in results.cells)  # the page's cap
+    # Stop pressed before the first cell: nothing runs, the session is freed
+    stopping = handlers.evaluate(server, {**values, "eval_examples": 2}, caller)
+    next(stopping)
+    handlers.stop(server, {}, caller)
+    assert "Stopped: 0 of 8 runs" in list(stopping)[-1]["status"]
+    assert handlers.stop(server, {}, caller) == {}
+
+
+def test_evaluate_refuses_a_big_sweep_and_a_bad_results_file(tiny_pair, tmp_path):
+    caller, _ = _caller()
+    values = {**_values(), "eval_data": "text", "eval_examples": 9}
+    assert "1 to 4 examples" in list(handlers.evaluate(_server(tiny_pair), values, caller))[-1]["status"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kind": "sweep"}\n{"kind": "cell", "key": 3}\n{"kind": "sweep"}\n')
+    refused = handlers.evaluate_upload({"eval_upload": str(bad)})
+    assert set(refused) == {"status"} and "line 2" in refused["status"]
+    assert handlers.evaluate_upload({"eval_upload": None}) == {}

@@ -278,7 +278,7 @@ def build(models: sessions.ModelCache) -> gr.Blocks:
 
         demo.unload(on_unload)
         wire.connect(c["trace_upload"].upload, handlers.upload, ["trace_upload"], RESTORED)
-        wire.connect(c["eval_upload"].upload, handlers.evaluate_upload, ["eval_upload"], EVAL_SHOWN)
+        wire.connect(c["eval_upload"].upload, handlers.evaluate_upload, ["eval_upload"], [*EVAL_SHOWN, "eval_upload"])
         wire.connect(c["open_button"].click, handlers.open_compared, ["compare_state", "compare_pick"], RESTORED)
         for event in (c["replay"].input, c["replay"].release):
             wire.connect(event, handlers.replay, ["trace", "replay"], VIEW, show_progress="hidden")

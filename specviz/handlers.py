@@ -273,12 +273,13 @@ def evaluate_upload(values: Values) -> Updates:
     if file is None:
         return {}
     path = file if isinstance(file, str) else file.name
+    cleared = {"eval_upload": None}  # the box is ready for the next file
     try:
         results = load_results(path)
     except ResultsError as e:
-        return {"status": error(e)}
+        return {"status": error(e), **cleared}
     return {"status": stamp(f"Loaded the sweep {html.escape(Path(path).name)}: no model was run."),
-            "results": gr.Tabs(selected="eval-results"), **evaluation(results)}
+            "results": gr.Tabs(selected="eval-results"), **evaluation(results), **cleared}
 
 
 def evaluate(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:

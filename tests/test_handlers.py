@@ -153,5 +153,5 @@ def test_evaluate_refuses_a_big_sweep_and_a_bad_results_file(tiny_pair, tmp_path
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"kind": "sweep"}\n{"kind": "cell", "key": 3}\n{"kind": "sweep"}\n')
     refused = handlers.evaluate_upload({"eval_upload": str(bad)})
-    assert set(refused) == {"status"} and "line 2" in refused["status"]
+    assert set(refused) == {"status", "eval_upload"} and "line 2" in refused["status"]
     assert handlers.evaluate_upload({"eval_upload": None}) == {}

@@ -475,3 +475,30 @@ def test_phone_viewport(browser, app_url, tiny_dirs, shots):
     pg.wait_for_function("() => /u = /.test(document.querySelector('#why-panel').innerText)", timeout=30_000)
     pg.screenshot(path=str(shots / "phone.png"), full_page=True)
     context.close()
+
+
+def test_evaluate_tab_runs_a_small_sweep_then_reloads_its_results(page, tiny_dirs, shots, tmp_path):
+    _use_models(page, *tiny_dirs)
+    page.get_by_role("tab", name="Evaluate").click()
+    page.locator("#eval-examples input[type=number]").fill("1")
+    page.locator("#eval-examples input[type=number]").press("Tab")
+    assert "Done: 4 of 4 runs" in _click_and_wait(page, "#eval-button", "Done:|⚠")
+    table1 = page.inner_text("#eval-table1")
+    for name in ("target-only", "baseline", "exact", "sigmoid", "ROUGE-1"):
+        assert name in table1, table1
+    assert "default" in page.inner_text("#eval-table2")
+    page.wait_for_selector("#eval-tradeoff-plot .js-plotly-plot", timeout=30_000)
+    page.wait_for_selector("#eval-gamma-plot .js-plotly-plot", timeout=30_000)
+    page.screenshot(path=str(shots / "evaluate-tiny.png"), full_page=True)
+    with page.expect_download() as download:
+        page.click("#eval-download")
+    saved = tmp_path / download.value.suggested_filename
+    download.value.save_as(saved)
+    assert saved.suffix == ".jsonl" and len(saved.read_text().splitlines()) == 5  # header + 4 cells
+    page.set_input_files("#eval-upload input[type=file]", str(saved))
+    _wait_status(page, "Loaded the sweep", timeout=60_000)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kind": "sweep"}\n{"kind": "cell"}\n{"kind": "sweep"}\n')
+    page.set_input_files("#eval-upload input[type=file]", str(bad))
+    _wait_status(page, "⚠", timeout=60_000)
+    assert "line 2" in _status(page)

@@ -76,6 +76,12 @@ class Batch:
     def decoders(self) -> list[SlottedDecoder]:
         return [d for d in (self.draft, self.target) if d is not None]
 
+    def draft_lag(self) -> int:
+        """The most tokens any row's draft cache has not seen yet (0 without a draft model)."""
+        if self.draft is None:
+            return 0
+        return max(len(s.tokens) - self.draft.fed(i) for i, s in enumerate(self.live))
+
 
 def _chunks(n: int, size: int) -> list[list[int]]:
     return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
@@ -178,7 +184,7 @@ def _speculative_iteration(run: RunState, batch: Batch, proposer: Proposer, gamm
     clock, live = run.clock, batch.live
     caps = [max(1, min(gamma, s.remaining)) for s in live]
     # a draft that sat out plain steps first feeds what it missed: that forward is not a step's cost
-    caught_up = batch.draft is not None and max(len(s.tokens) - batch.draft.fed(i) for i, s in enumerate(live)) > 2
+    caught_up = batch.draft_lag() > 2
     t0 = clock.now()
     proposal = proposer.propose([s.tokens for s in live], caps)
     t1 = clock.now()

@@ -16,11 +16,12 @@ from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache, WhisperForConditionalGeneration, WhisperProcessor
 
 from .audio import SAMPLE_RATE, windows
+from .decoder import SlottedDecoder
 from .drafts import SubsetHead, draft_head_size, special_ids, subset_head
-from .engine import SequenceSpec, SlottedDecoder, Vocabulary, unique_names
 from .machine import device_name
 from .models import DEFAULT, ModelLoadError, Progress, _silent
 from .quant import quantize_draft_int8
+from .source import SequenceSpec, Vocabulary, unique_names
 from .whisper_loader import load_whisper
 
 # Chosen by measurement on the sample clip (docs/benchmarks.md, "Speech"): base without its fourth decoder

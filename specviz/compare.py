@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from .config import MODES, SpecConfig
-from .engine import Source
+from .source import Source
 from .models import ModelPair
 from .prediction import predict
 from . import speedup

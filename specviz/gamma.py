@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from . import theory
 from .cost import MAX_GAMMA, CostModel, RunningAcceptance, speedups
+from .records import Decision
 
 
 @dataclass(frozen=True)
@@ -22,10 +23,31 @@ class Feedback:
     draft_s: float  # time spent drafting (max(drafted) batched draft forwards)
     target_s: float  # time of the one target forward that scored them
 
+    @classmethod
+    def of(cls, gamma: int, decisions: Sequence[Decision], *, draft_s: float, target_s: float) -> Feedback:
+        """What an iteration's decisions (one per sequence, row order) tell a policy; α's samples are each
+        decision's examined_accept_probs, the one definition the trace and the figures read too."""
+        return cls(gamma=gamma, drafted=[d.gamma for d in decisions], n_accepted=[d.n_accepted for d in decisions],
+                   examined={d.sequence: d.examined_accept_probs for d in decisions}, draft_s=draft_s,
+                   target_s=target_s)
+
     @property
     def accept_probs(self) -> list[float]:
         """Every examined draft's min(1, p/q), all sequences together."""
         return [a for probs in self.examined.values() for a in probs]
+
+
+class Policy(Protocol):
+    """Chooses γ for the next iteration and learns from each one's feedback."""
+
+    name: str
+
+    def current(self) -> int:
+        """γ for the next iteration (0: a plain target step)."""
+        ...
+
+    def update(self, fb: Feedback) -> None:
+        ...
 
 
 def _any_accepted_all(fb: Feedback) -> bool:
@@ -197,7 +219,7 @@ def default_policy(batch: int) -> str:
     return "bass" if batch > 1 else "hf"
 
 
-def make_policy(name: str, initial: int | None = None, costs: CostModel | None = None):
+def make_policy(name: str, initial: int | None = None, costs: CostModel | None = None) -> Policy:
     """A fresh policy; `initial` overrides its starting γ (hf/constant/optimal: 5, bass: 7, cost: from the
     calibrated costs); the cost-aware policy reads the run's measured costs."""
     cls = _POLICIES[name]

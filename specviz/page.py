@@ -27,7 +27,7 @@ from . import report
 from .audio import load_audio
 from .compare import Row, compare, hf_assisted_runs, noise, source_runner
 from .config import MODES, SpecConfig
-from .engine import Source
+from .source import Source
 from .figures import acceptance_figure, batch_figure, gamma_figure, theory_figure, timing_figure, verify_figure
 from .models import Progress
 from .prompts import InputError, check_article_size

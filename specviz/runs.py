@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from .config import SpecConfig
-from .engine import Source, generate
+from .engine import generate
 from .records import Event
+from .source import Source
 from .trace import Trace, TraceBuilder
 
 DEFAULT_BATCH = 8  # sequences decoded together at most; more are decoded in consecutive groups

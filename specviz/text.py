@@ -6,12 +6,13 @@ import torch
 from transformers import DynamicCache
 
 from .config import SpecConfig
+from .decoder import SlottedDecoder
 from .drafts import SubsetHead, draft_head_size, special_ids, subset_head
-from .engine import SequenceSpec, SlottedDecoder, Vocabulary, unique_names
 from .machine import device_name
 from .models import ModelPair
 from .prompt_cache import PromptCache
 from .prompts import InputError, max_prompt_tokens, summarization_prompt
+from .source import SequenceSpec, Vocabulary, unique_names
 
 
 class CausalLMDecoder(SlottedDecoder):

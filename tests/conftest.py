@@ -104,7 +104,7 @@ def prompt_ids() -> list[int]:
 
 def prompts_source(pair: ModelPair, prompts: list[list[int]], draft_vocab: int = 0):
     """A text source over raw prompt ids, one sequence each."""
-    from specviz.engine import SequenceSpec
+    from specviz.source import SequenceSpec
     from specviz.text import TextSource
 
     return TextSource(pair, [SequenceSpec(list(p), f"p{i}", f"p{i}", {}) for i, p in enumerate(prompts)], draft_vocab)

@@ -137,6 +137,34 @@ def test_greedy_equality_with_each_draft(tiny_pair, repeating_alone, mode, case)
         assert batched.meta["draft_vocab_size"] < VOCAB
 
 
+def test_every_draft_kind_has_one_proposer():
+    """The driver knows no kinds: each SpecConfig.draft_kind maps to one Proposer class, which says whether
+    the driver must open a draft model for it."""
+    from specviz.config import DRAFT_KINDS
+    from specviz.proposers import PROPOSERS, LookupThenModel, ModelDraft, PromptLookup, uses_draft_model
+
+    assert sorted(PROPOSERS) == sorted(DRAFT_KINDS)
+    assert PROPOSERS == {"model": ModelDraft, "lookup": PromptLookup, "lookup+model": LookupThenModel}
+    assert [uses_draft_model(k) for k in ("model", "lookup", "lookup+model")] == [True, False, True]
+    with pytest.raises(ValueError, match="unknown draft kind 'ngram'"):
+        uses_draft_model("ngram")
+
+
+def test_prompt_lookup_proposes_for_every_row():
+    """Lookup alone: a row with a match proposes its continuation, a row without one repeats its last token;
+    q is one-hot on each proposal and zero-padded beyond it."""
+    from specviz.proposers import DraftSetup, make_proposer
+    from specviz.source import Vocabulary
+
+    setup = DraftSetup(cfg=SpecConfig(draft_kind="lookup"), vocab=Vocabulary(str, EOS_SET, 16),
+                       device=torch.device("cpu"), generator=torch.Generator(), draft=None)
+    proposal = make_proposer(setup).propose([[1, 2, 3, 1, 2], [4, 5, 6]], [3, 3])
+    assert proposal.tokens == [[3, 1, 2], [6]] and proposal.drafters == [LOOKUP, LOOKUP]
+    assert proposal.lengths == [3, 1] and proposal.width == 3 and proposal.model_forwards == 0
+    assert torch.equal(proposal.logits, one_hot_logits([[3, 1, 2], [6]], 3, 16, torch.device("cpu")))
+    assert proposal.padded(torch.device("cpu")).tolist() == [[3, 1, 2], [6, 0, 0]]
+
+
 def test_lookup_alone_needs_no_draft_model(tiny_pair, repeating_alone, monkeypatch):
     """With lookup alone the draft model is never opened; rows without a match still propose a token."""
     calls = []
@@ -241,7 +269,7 @@ def test_bad_draft_settings_get_clear_messages(tmp_path):
 
 
 def _tiny_trace_json() -> str:
-    from specviz.engine import SequenceSpec
+    from specviz.source import SequenceSpec
     from specviz.records import Completed, Decision, Iteration, Prefilled, StepRecord
     from specviz.trace import TraceBuilder
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specviz.config import GAMMA_POLICIES, SamplingConfig, SpecConfig
-from specviz.engine import Vocabulary
+from specviz.source import Vocabulary
 from specviz.models import ModelPair
 from specviz.prompts import InputError
 from specviz.records import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Finished, Iteration

@@ -106,7 +106,7 @@ def torch_path(mode, tokens, draft_logits, target_logits, sampling, lenience, al
     state = gen.get_state()
     lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=device)
     ref = verify_tiled(tokens, draft_logits, target_logits, lengths, sampling, gen, lenience=lenience,
-                       sigmoid=(alpha, beta) if mode == "sigmoid" else None)
+                       sigmoid=(alpha, beta) if mode == "sigmoid" else None)._asdict()
     replay = torch.Generator(device=device)
     replay.set_state(state)
     B, gamma = tokens.shape

@@ -766,3 +766,23 @@ def test_draft_lengths_are_checked() -> None:
     for bad in ([0, 3], [1, 4], [1]):
         with pytest.raises(ValueError, match="draft_lengths"):
             specviz.verify("exact", tokens, d_logits, t_logits, sampling=T1, draft_lengths=bad)
+
+
+@pytest.mark.parametrize("mode", ["baseline", "exact", "sigmoid"])
+def test_metadata_call_decides_as_the_keyword_call(mode: str) -> None:
+    """verify_batch with a run's VerifyMetadata (what the engine calls) and verify with the same settings as
+    keywords make bit-identical decisions from identically seeded generators, ragged rows included."""
+    from specviz.config import SpecConfig
+    from specviz.verify import VerifyMetadata, verify_batch
+
+    draft, target = ragged_pair()
+    lengths = [2, 3, 1, 3]
+    tokens, d_logits, t_logits = ragged_batch(draft, target, lengths, seed=3)
+    cfg = SpecConfig(mode=mode, sampling=SamplingConfig(temperature=0.9, top_k=12), lenience=0.8,
+                     sigmoid_alpha=-6.0, sigmoid_beta=6.0)
+    meta = VerifyMetadata.for_run(cfg, lengths)
+    assert meta.sigmoid == ((-6.0, 6.0) if mode == "sigmoid" else None) and meta.ragged(3)
+    a = verify_batch(meta, tokens, d_logits, t_logits, torch.Generator().manual_seed(5)).host()
+    b = specviz.verify(mode, tokens, d_logits, t_logits, cfg.sampling, torch.Generator().manual_seed(5),
+                       lenience=0.8, sigmoid_alpha=-6.0, sigmoid_beta=6.0, draft_lengths=lengths).host()
+    assert a == b

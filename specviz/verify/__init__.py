@@ -15,6 +15,9 @@ a row that kept all γ_b drafts comes from target position γ_b. Omitted, every 
 Random numbers are drawn from `generator` in a fixed order: one uniform per drafted position (a [B, γ]
 tensor), then the residual draw. `baseline` draws the residual with torch.multinomial, as transformers
 does, so that both make identical decisions from identically seeded generators.
+
+The engine holds a batch's facts in one `VerifyMetadata` and calls `verify_batch`; `verify` builds that
+object from its keywords.
 """
 
 from __future__ import annotations
@@ -25,68 +28,62 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
-from ..config import MODES, SamplingConfig
+from ..config import MODES, SamplingConfig, SpecConfig
 from ..sampling import check_logits
 from .baseline import verify_baseline
 from .tiled import DEFAULT_TILE, verify_tiled
+from .verdict import Verdict, VerifyHost, VerifyResult
 
-__all__ = ["VerifyHost", "VerifyResult", "verify", "MODES", "BACKENDS", "kernels_active", "kernel_args",
-           "kernel_sampling", "KernelArgs", "KernelSampling", "project_kernels"]
+__all__ = ["VerifyHost", "VerifyResult", "VerifyMetadata", "Verdict", "verify", "verify_batch", "MODES", "BACKENDS",
+           "kernels_active", "kernel_args", "kernel_sampling", "KernelArgs", "KernelSampling", "project_kernels"]
 
 
 @dataclass(frozen=True)
-class VerifyHost:
-    """A VerifyResult's fields as Python lists on the host (what the engine records)."""
+class VerifyMetadata:
+    """One verification call's facts besides its tensors, in one object (the idea of vLLM's
+    SpecDecodeMetadata): the rule that decides, how both models' logits are standardized, how far each
+    row drafted, and where it runs."""
 
-    n_accepted: list[int]  # [B]
-    next_token: list[int]  # [B]
-    accept_prob: list[list[float]]  # [B][γ]
-    uniforms: list[list[float]]  # [B][γ]
-    p_draft: list[list[float]]  # [B][γ]
-    q_draft: list[list[float]]  # [B][γ]
+    mode: str  # 'baseline' (transformers' algorithm), 'exact' (Wagner et al. §3.2.1) or 'sigmoid' (§3.2.2)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    draft_lengths: tuple[int, ...] | None = None  # γ_b per row (1 ≤ γ_b ≤ γ); None: every row drafted γ
+    lenience: float = 1.0  # l in (0, 1] multiplies q before the comparison (Leviathan et al. A.5); 1 is exact
+    sigmoid_alpha: float = -1e4  # sigmoid mode: p̂ = σ((z − α) / (β − α))
+    sigmoid_beta: float = 1e4
+    backend: str = "auto"  # see verify()
+    tile_size: int = DEFAULT_TILE  # vocabulary columns per tile on the torch path of exact and sigmoid
 
+    @classmethod
+    def for_run(cls, cfg: SpecConfig, draft_lengths: Sequence[int]) -> VerifyMetadata:
+        """A run's verification settings for a batch whose rows drafted draft_lengths tokens."""
+        return cls(mode=cfg.mode, sampling=cfg.sampling, draft_lengths=tuple(draft_lengths), lenience=cfg.lenience,
+                   sigmoid_alpha=cfg.sigmoid_alpha, sigmoid_beta=cfg.sigmoid_beta, backend=cfg.verify_backend)
 
-@dataclass
-class VerifyResult:
-    n_accepted: torch.Tensor  # LongTensor[B]: drafted tokens kept, a prefix of each row
-    next_token: torch.Tensor  # LongTensor[B]: correction on a rejection, bonus when all γ were kept
-    accept_prob: torch.Tensor  # [B, γ]: min(1, p(x) / (l·q(x))) at each drafted token
-    uniforms: torch.Tensor  # [B, γ]: the uniform each position was compared with
-    p_draft: torch.Tensor  # [B, γ]: target probability of each drafted token, as the mode computes it
-    q_draft: torch.Tensor  # [B, γ]: draft probability of each drafted token, as the mode computes it
-    # The host copy: set by the kernel path from its one readback, else made by the first host() call.
-    _host: VerifyHost | None = field(default=None, repr=False, compare=False)
+    @property
+    def sigmoid(self) -> tuple[float, float] | None:
+        """(α, β) in sigmoid mode; None otherwise."""
+        return (self.sigmoid_alpha, self.sigmoid_beta) if self.mode == "sigmoid" else None
 
-    def host(self) -> VerifyHost:
-        """All fields as Python lists. The kernel path already read them back (no new sync); the torch
-        path reads them with one stacked copy the first time, then keeps it."""
-        if self._host is None:
-            B, gamma = self.accept_prob.shape
-            # One readback: ids < 2^53 are exact in float64, and so is every float32 value.
-            flat = torch.cat([self.n_accepted.reshape(-1).double(), self.next_token.reshape(-1).double(),
-                              *(getattr(self, k).reshape(-1).double() for k in _FLOAT_FIELDS)]).tolist()
-            rows = [flat[2 * B + i * B * gamma: 2 * B + (i + 1) * B * gamma] for i in range(len(_FLOAT_FIELDS))]
-            floats = {k: [r[b * gamma:(b + 1) * gamma] for b in range(B)] for k, r in zip(_FLOAT_FIELDS, rows)}
-            self._host = VerifyHost(n_accepted=[int(x) for x in flat[:B]], next_token=[int(x) for x in flat[B:2 * B]],
-                                    **floats)
-        return self._host
-
-    def emitted(self, draft_tokens: torch.Tensor, row: int = 0) -> list[int]:  # draft_tokens [B, γ]
-        """The tokens this verification appends to sequence `row`: kept drafts, then next_token."""
-        h = self.host()
-        n = h.n_accepted[row]
-        return draft_tokens[row, :n].tolist() + [h.next_token[row]]
+    def ragged(self, gamma: int) -> bool:
+        """Whether some row drafted fewer than γ tokens."""
+        return self.draft_lengths is not None and min(self.draft_lengths) < gamma
 
 
-_FLOAT_FIELDS = ("accept_prob", "uniforms", "p_draft", "q_draft")
+def _check_metadata(meta: VerifyMetadata) -> None:
+    if meta.mode not in MODES:
+        raise ValueError(f"unknown verification mode {meta.mode!r}; choose one of {', '.join(MODES)}")
+    if not 0 < meta.lenience <= 1:
+        raise ValueError(f"lenience must be in (0, 1], got {meta.lenience}")
+    if meta.backend not in BACKENDS:
+        raise ValueError(f"unknown verification backend {meta.backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def _check_shapes(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
-                  draft_lengths: list[int] | None) -> None:
+                  draft_lengths: Sequence[int] | None) -> None:
     """Shapes, dtypes and draft_lengths: no device work."""
     if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
         raise ValueError(f"draft_tokens must be a LongTensor [B, γ], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}")
@@ -106,14 +103,14 @@ def _check_shapes(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target
             raise ValueError(f"draft_lengths must hold B={B} counts in [1, γ={gamma}], got {list(draft_lengths)}")
 
 
-def _check_token_range(draft_tokens: torch.Tensor, vocab: int) -> None:
+def _check_token_range(draft_tokens: torch.Tensor, vocab: int) -> None:  # draft_tokens LongTensor[B, γ]
     """Drafted ids in [0, V): one reduction and one host sync (the kernels check this in their error slot)."""
     if bool(((draft_tokens < 0) | (draft_tokens >= vocab)).any()):
         raise ValueError(f"draft_tokens must lie in [0, {vocab})")
 
 
-def _lengths(draft_lengths: list[int] | None, draft_tokens: torch.Tensor) -> torch.Tensor:
-    """γ_b per row as LongTensor[B] on the tokens' device (γ everywhere when not given)."""
+def _lengths(draft_lengths: Sequence[int] | None, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """γ_b per row as LongTensor[B] on the tokens' device (γ everywhere when not given); draft_tokens [B, γ]."""
     B, gamma = draft_tokens.shape
     if draft_lengths is None:
         return torch.full((B,), gamma, dtype=torch.long, device=draft_tokens.device)
@@ -122,9 +119,9 @@ def _lengths(draft_lengths: list[int] | None, draft_tokens: torch.Tensor) -> tor
 
 def verify(
     mode: str,
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
     *,
@@ -133,7 +130,7 @@ def verify(
     sigmoid_beta: float = 1e4,
     tile_size: int = DEFAULT_TILE,
     backend: str = "auto",
-    draft_lengths: list[int] | None = None,
+    draft_lengths: Sequence[int] | None = None,
 ) -> VerifyResult:
     """Decide which drafted tokens to keep and sample the next token; see the module docstring.
 
@@ -150,33 +147,44 @@ def verify(
     from that readback. The kernels apply temperature, top-k and top-p themselves in both modes (see
     `kernel_sampling`); only top_k above their MAX_TOPK standardizes the logits with torch first.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown verification mode {mode!r}; choose one of {', '.join(MODES)}")
-    if not 0 < lenience <= 1:
-        raise ValueError(f"lenience must be in (0, 1], got {lenience}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown verification backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    _check_shapes(draft_tokens, draft_logits, target_logits, draft_lengths)
-    ragged = draft_lengths is not None and min(draft_lengths) < draft_tokens.shape[1]
-    if ragged and backend == "cuda":
+    meta = VerifyMetadata(mode=mode, sampling=sampling, lenience=lenience, sigmoid_alpha=sigmoid_alpha,
+                          sigmoid_beta=sigmoid_beta, tile_size=tile_size, backend=backend,
+                          draft_lengths=None if draft_lengths is None else tuple(draft_lengths))
+    return verify_batch(meta, draft_tokens, draft_logits, target_logits, generator)
+
+
+def verify_batch(
+    meta: VerifyMetadata,
+    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """`verify` with the call's facts in one object."""
+    _check_metadata(meta)
+    _check_shapes(draft_tokens, draft_logits, target_logits, meta.draft_lengths)
+    ragged = meta.ragged(draft_tokens.shape[1])
+    if ragged and meta.backend == "cuda":
         raise ValueError("the CUDA kernels verify rows of equal length; ragged draft_lengths need backend 'auto' or 'torch'")
-    if _use_kernels(mode, sampling, target_logits, "torch" if ragged and backend == "auto" else backend):
+    if _use_kernels(meta.mode, meta.sampling, target_logits, "torch" if ragged and meta.backend == "auto" else meta.backend):
         # No device checks here: the kernels flag bad logits and out-of-range tokens in their one readback.
-        return _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator,
-                               lenience, sigmoid_alpha, sigmoid_beta)
+        return _verify_kernels(meta.mode, draft_tokens, draft_logits, target_logits, meta.sampling, generator,
+                               meta.lenience, meta.sigmoid_alpha, meta.sigmoid_beta)
     _check_token_range(draft_tokens, target_logits.shape[-1])
     check_logits(draft_logits, "draft")
     check_logits(target_logits, "target")
-    lengths = _lengths(draft_lengths, draft_tokens)
-    if mode == "baseline":
-        fields = verify_baseline(draft_tokens, draft_logits, target_logits, lengths, sampling, generator, lenience)
-    else:
-        fields = verify_tiled(
-            draft_tokens, draft_logits, target_logits, lengths, sampling, generator,
-            lenience=lenience, sigmoid=(sigmoid_alpha, sigmoid_beta) if mode == "sigmoid" else None,
-            tile=tile_size,
-        )
-    return VerifyResult(**fields)
+    return VerifyResult.of(_verify_torch(meta, draft_tokens, draft_logits, target_logits, generator))
+
+
+def _verify_torch(meta: VerifyMetadata, draft_tokens: torch.Tensor, draft_logits: torch.Tensor,
+                  target_logits: torch.Tensor, generator: torch.Generator | None) -> Verdict:
+    """The torch path of every mode (draft_tokens [B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V])."""
+    lengths = _lengths(meta.draft_lengths, draft_tokens)  # [B]
+    if meta.mode == "baseline":
+        return verify_baseline(draft_tokens, draft_logits, target_logits, lengths, meta.sampling, generator,
+                               meta.lenience)
+    return verify_tiled(draft_tokens, draft_logits, target_logits, lengths, meta.sampling, generator,
+                        lenience=meta.lenience, sigmoid=meta.sigmoid, tile=meta.tile_size)
 
 
 BACKENDS = ("auto", "torch", "cuda")
@@ -288,9 +296,12 @@ def kernel_args(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tenso
     return KernelArgs(draft_logits, target_logits, u, u_res, dict(scale=scale, topk=topk, top_p=top_p))
 
 
-def _verify_kernels(mode, draft_tokens, draft_logits, target_logits, sampling, generator, lenience, alpha,
-                    beta) -> VerifyResult:
+def _verify_kernels(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                   sampling: SamplingConfig, generator: torch.Generator | None, lenience: float, alpha: float,
+                   beta: float) -> VerifyResult:
+    """The kernel path (draft_tokens [B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V])."""
     args = kernel_args(mode, draft_tokens, draft_logits, target_logits, sampling, generator)
     done = project_kernels().launch(mode, draft_tokens, args.draft_logits, args.target_logits, args.u, args.u_res,
                                     lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta, **args.options)
-    return VerifyResult(**done.outputs, _host=VerifyHost(**done.host))
+    # kernels/ hands back plain dicts keyed like Verdict's fields: typed here, at the boundary
+    return VerifyResult.of(Verdict(**done.outputs), host=VerifyHost(**done.host))

@@ -12,6 +12,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..sampling import standardize
+from .verdict import Verdict, accept_probs
 
 
 def verify_baseline(
@@ -22,7 +23,8 @@ def verify_baseline(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     lenience: float,
-) -> dict[str, torch.Tensor]:
+) -> Verdict:
+    """transformers' acceptance and residual draw, batched over ragged rows; see the module docstring."""
     B, gamma = draft_tokens.shape
     q = standardize(draft_logits, sampling).softmax(dim=-1)
     p = standardize(target_logits, sampling).softmax(dim=-1)
@@ -45,11 +47,5 @@ def verify_baseline(
     dist = torch.where(use_residual, residual / mass, p_n)
     t = torch.multinomial(dist, num_samples=1, generator=generator).squeeze(-1)
 
-    return dict(
-        n_accepted=n,
-        next_token=t,
-        accept_prob=torch.where(drafted, ratio.nan_to_num(nan=0.0).clamp(max=1.0), 0.0),
-        uniforms=r,
-        p_draft=p_i,
-        q_draft=q_i,
-    )
+    return Verdict(n_accepted=n, next_token=t, accept_prob=accept_probs(ratio, drafted), uniforms=r, p_draft=p_i,
+                   q_draft=q_i)

@@ -22,12 +22,13 @@ import torch
 
 from ..config import SamplingConfig
 from ..sampling import standardize
+from .verdict import Verdict, accept_probs
 
 DEFAULT_TILE = 16384
 _NEG_INF = float("-inf")
 
 
-def online_logsumexp(logits: torch.Tensor, scale: float, tile: int) -> torch.Tensor:
+def online_logsumexp(logits: torch.Tensor, scale: float, tile: int) -> torch.Tensor:  # [..., V] -> [...]
     """log Σ exp(scale·z) over the last dim, one read of each logit, tile by tile (fp32 accumulators)."""
     V = logits.shape[-1]
     m = torch.full(logits.shape[:-1], _NEG_INF, device=logits.device)
@@ -48,10 +49,10 @@ class _Probs:
         self.scale = scale
         self.sigmoid = sigmoid
 
-    def row_stats(self, logits: torch.Tensor, tile: int) -> torch.Tensor | None:
+    def row_stats(self, logits: torch.Tensor, tile: int) -> torch.Tensor | None:  # [..., V] -> [...] or None
         return None if self.sigmoid else online_logsumexp(logits, self.scale, tile)
 
-    def __call__(self, z: torch.Tensor, stats: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, z: torch.Tensor, stats: torch.Tensor | None) -> torch.Tensor:  # z [...], stats broadcast to z
         z = z.float() * self.scale
         if self.sigmoid:
             alpha, beta = self.sigmoid
@@ -59,7 +60,7 @@ class _Probs:
         return torch.exp(z - stats)
 
 
-def _scan_pick(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _scan_pick(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # weights [B, K], target [B] -> [B]
     """Index of the entry whose cumulative-weight interval holds `target`, never a zero-weight entry."""
     cum = weights.cumsum(dim=-1)
     idx = torch.searchsorted(cum, target.unsqueeze(-1), right=True).squeeze(-1)
@@ -69,16 +70,16 @@ def _scan_pick(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_residual(
-    target_logits: torch.Tensor,
-    draft_logits: torch.Tensor,
-    n: torch.Tensor,
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    draft_logits: torch.Tensor,  # [B, γ, V]
+    n: torch.Tensor,  # LongTensor[B]: the position that needs a new token
     probs: _Probs,
-    p_stats: torch.Tensor | None,
-    q_stats: torch.Tensor | None,
-    q_weight: torch.Tensor,
-    u: torch.Tensor,
+    p_stats: torch.Tensor | None,  # [B, γ+1] log-normalizers of the target (None in sigmoid mode)
+    q_stats: torch.Tensor | None,  # [B, γ] log-normalizers of the draft (None in sigmoid mode)
+    q_weight: torch.Tensor,  # [B]: l on a rejection, 0 for the bonus draw
+    u: torch.Tensor,  # [B]: the residual uniforms
     tile: int,
-) -> torch.Tensor:
+) -> torch.Tensor:  # LongTensor[B]
     """Sample max(0, p - w·q) at position n of each row (w = 0 gives the bonus draw from p)."""
     B, gamma, V = draft_logits.shape
     rows = torch.arange(B, device=n.device)
@@ -130,7 +131,8 @@ def verify_tiled(
     lenience: float,
     sigmoid: tuple[float, float] | None,
     tile: int = DEFAULT_TILE,
-) -> dict[str, torch.Tensor]:
+) -> Verdict:
+    """`exact` (sigmoid None) or `sigmoid` (its (α, β)) on the torch path; see the module docstring."""
     if tile < 1:
         raise ValueError("tile size must be >= 1")
     tile = min(tile, target_logits.shape[-1])  # per-row scratch is [B, tile]: never wider than the vocabulary
@@ -158,14 +160,8 @@ def verify_tiled(
     u_res = torch.rand((B,), generator=generator, device=ratio.device, dtype=ratio.dtype)
     q_weight = torch.where(n < lengths, lenience, 0.0)
     t = _sample_residual(target_logits, draft_logits, n, probs, p_stats, q_stats, q_weight, u_res, tile)
-    return dict(
-        n_accepted=n,
-        next_token=t,
-        accept_prob=torch.where(drafted, ratio.nan_to_num(nan=0.0).clamp(max=1.0), 0.0),
-        uniforms=u,
-        p_draft=p_x,
-        q_draft=q_x,
-    )
+    return Verdict(n_accepted=n, next_token=t, accept_prob=accept_probs(ratio, drafted), uniforms=u, p_draft=p_x,
+                   q_draft=q_x)
 
 
 def _verify_greedy(
@@ -176,7 +172,7 @@ def _verify_greedy(
     lengths: torch.Tensor,  # LongTensor[B]
     generator: torch.Generator | None,
     lenience: float,
-) -> dict[str, torch.Tensor]:
+) -> Verdict:
     """Temperature 0: both distributions are one-hot, so only argmaxes are needed (same for both modes)."""
     B, gamma = draft_tokens.shape
     p_arg = target_logits.argmax(dim=-1)  # [B, γ+1]
@@ -189,11 +185,5 @@ def _verify_greedy(
     torch.rand((B,), generator=generator, device=ratio.device)
     n = ((u <= ratio) & drafted).long().cumprod(dim=-1).sum(dim=-1)
     t = p_arg.gather(-1, n.unsqueeze(-1)).squeeze(-1)  # n ≤ the row's length: the bonus sits right after its drafts
-    return dict(
-        n_accepted=n,
-        next_token=t,
-        accept_prob=torch.where(drafted, ratio.nan_to_num(nan=0.0).clamp(max=1.0), 0.0),
-        uniforms=u,
-        p_draft=p_x,
-        q_draft=q_x,
-    )
+    return Verdict(n_accepted=n, next_token=t, accept_prob=accept_probs(ratio, drafted), uniforms=u, p_draft=p_x,
+                   q_draft=q_x)

@@ -29,13 +29,27 @@ def _columns(spec: str | None) -> dict[str, str] | None:
     return {ours.strip(): theirs.strip() for ours, _, theirs in pairs}
 
 
+def _ranges(scales: list[str] | None) -> list[str] | None:
+    """--sigmoid-scales 1e3 default -> ['-1e3:1e3', 'default']."""
+    if scales is None:
+        return None
+    for s in scales:
+        try:
+            ok = s == "default" or float(s) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InputError(f"--sigmoid-scales takes 'default' or positive numbers S (the range -S to S), got {s!r}")
+    return [s if s == "default" else f"-{s}:{s}" for s in scales]
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.report:
         return _report(args)
     data = BUNDLED.get(args.data, args.data)
     examples = load_examples(data, _columns(args.columns), limit=args.limit)
     task = examples[0].task
-    grid = make_grid(Settings.from_args(args), modes=args.modes, policies=args.policies, sigmoid=args.sigmoid,
+    grid = make_grid(Settings.from_args(args), modes=args.modes, policies=args.policies, sigmoid=_ranges(args.sigmoid_scales),
                      temperatures=args.temperatures, seeds=args.seeds, file=args.grid)
     cells = grid.cells(examples)
     models = Models(task, args.draft, args.target, args.device, args.dtype, args.weights, args.draft_int8)
@@ -93,8 +107,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--grid", metavar="FILE", help="TOML: modes, policies, sigmoid, temperatures, seeds, max_new_tokens")
     g.add_argument("--modes", nargs="+", help="verification modes (default: baseline exact sigmoid)")
     g.add_argument("--policies", nargs="+", metavar="POLICY[:γ]", help="γ policies (default: auto)")
-    g.add_argument("--sigmoid", nargs="+", metavar="ALPHA:BETA",
-                   help="sigmoid ranges, e.g. -1e4:1e4 -1e3:1e3 (default: Wagner's for the task)")
+    g.add_argument("--sigmoid-scales", nargs="+", metavar="S",
+                   help="sigmoid ranges (-S, S) as in Wagner's Table 2, e.g. default 1e3 10 ('default': Wagner's "
+                        "for the task; asymmetric ranges: sigmoid = [\"ALPHA:BETA\", ...] in a --grid file)")
     g.add_argument("--temperatures", nargs="+", type=float, help="0 = greedy (default: 0)")
     g.add_argument("--seeds", nargs="+", type=int, help="default: 0")
     add_flags(g, ["max_new_tokens"])

@@ -17,15 +17,12 @@ Speech files are only checked to exist here: decoding them is the job of the cel
 from __future__ import annotations
 
 import json
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .audio import AudioError, load_audio, to_model_input
 from .prompts import MAX_ARTICLE_CHARS, InputError, check_article_size
 from .settings import SPEECH, TEXT
 
@@ -42,7 +39,7 @@ MAX_ID_CHARS = 200  # ids label rows of reports and tables: one short line
 _TEXT_INPUTS = ("article", "article_file")
 _SPEECH_INPUT = "audio"
 _REFERENCE_KEY = {TEXT: "summary", SPEECH: "transcript"}
-_COLUMN_NAMES = ("input", "reference", "id")
+COLUMN_NAMES = ("input", "reference", "id")
 
 
 class EvalDataError(ValueError):
@@ -73,7 +70,9 @@ def load_examples(path: str | Path, columns: Mapping[str, str] | None = None,
                                 f"id, article (or article_file) and summary, or id, audio and transcript")
         examples = _read_manifest(source, limit)
     else:
-        examples = _read_dataset(form, source, _checked_columns(columns), limit)
+        from .eval_datasets import checked_columns, read_dataset
+
+        examples = read_dataset(form, source, checked_columns(columns), limit)
     if not examples:
         raise EvalDataError(f"{source}: the data set holds no examples")
     return examples
@@ -143,12 +142,12 @@ def _checked_limit(limit: int | None) -> int | None:
     return limit
 
 
-def _too_many(source: Path) -> EvalDataError:
+def too_many(source: Path) -> EvalDataError:
     return EvalDataError(f"{source} holds more than {MAX_ROWS:,} examples; evaluate a part of it with "
                          f"limit= (at most {MAX_ROWS:,})")
 
 
-def _check_file_size(file: Path) -> None:
+def check_file_size(file: Path) -> None:
     size = file.stat().st_size
     if size > MAX_FILE_BYTES:
         raise EvalDataError(f"{file} is {size:,} bytes, over the {MAX_FILE_BYTES:,}-byte limit of an "
@@ -159,7 +158,7 @@ def _check_file_size(file: Path) -> None:
 # Checks shared by both forms; `where` is "FILE, line N" or "FILE, row N"
 
 
-def _text(value: Any, what: str, where: str) -> str:
+def text_field(value: Any, what: str, where: str) -> str:
     """A non-blank string, else an error naming `what`."""
     if value is None:
         raise EvalDataError(f"{where}: '{what}' is missing")
@@ -170,8 +169,8 @@ def _text(value: Any, what: str, where: str) -> str:
     return value
 
 
-def _example_id(value: Any, where: str, seen: dict[str, str]) -> str:
-    ident = _text(value, "id", where)
+def example_id(value: Any, where: str, seen: dict[str, str]) -> str:
+    ident = text_field(value, "id", where)
     if len(ident) > MAX_ID_CHARS or not ident.isprintable():
         raise EvalDataError(f"{where}: the id must be one line of at most {MAX_ID_CHARS} printable characters")
     if ident in seen:
@@ -180,8 +179,8 @@ def _example_id(value: Any, where: str, seen: dict[str, str]) -> str:
     return ident
 
 
-def _article(value: Any, what: str, where: str) -> str:
-    article = _text(value, what, where)
+def article_text(value: Any, what: str, where: str) -> str:
+    article = text_field(value, what, where)
     try:
         check_article_size(article)
     except InputError as e:
@@ -189,11 +188,11 @@ def _article(value: Any, what: str, where: str) -> str:
     return article
 
 
-def _member(folder: Path, name: Any, what: str, where: str) -> Path:
+def member_path(folder: Path, name: Any, what: str, where: str) -> Path:
     """The file `name` names inside `folder`. A data set may only point at its own files: an absolute path or
     one that leaves the folder (through '..' or a link) is refused, so a downloaded data set cannot make the
     evaluation read elsewhere on the machine."""
-    name = _text(name, what, where)
+    name = text_field(name, what, where)
     if Path(name).is_absolute():
         raise EvalDataError(f"{where}: '{what}' must be relative to {folder}, got the absolute path {name!r}")
     root = folder.resolve()
@@ -207,7 +206,7 @@ def _member(folder: Path, name: Any, what: str, where: str) -> Path:
 
 
 def _article_file(folder: Path, name: Any, where: str) -> str:
-    file = _member(folder, name, "article_file", where)
+    file = member_path(folder, name, "article_file", where)
     # UTF-8 holds at most 4 bytes a character: a bigger file is too long before it is read
     if file.stat().st_size > 4 * MAX_ARTICLE_CHARS:
         raise EvalDataError(f"{where}: '{name}' is {file.stat().st_size:,} bytes, longer than any article a "
@@ -216,7 +215,7 @@ def _article_file(folder: Path, name: Any, where: str) -> str:
         article = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise EvalDataError(f"{where}: '{name}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return _article(article, "article_file", where)
+    return article_text(article, "article_file", where)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,14 +223,14 @@ def _article_file(folder: Path, name: Any, where: str) -> str:
 
 
 def _read_manifest(manifest: Path, limit: int | None) -> list[Example]:
-    _check_file_size(manifest)
+    check_file_size(manifest)
     folder, seen, examples = manifest.parent, {}, []
     task, first = None, ""
     for lineno, row in _json_rows(manifest):
         if len(examples) == (limit or MAX_ROWS):
             if limit:
                 break
-            raise _too_many(manifest)
+            raise too_many(manifest)
         where = f"{manifest}, line {lineno}"
         row_task = _row_task(row, where)
         if task is None:
@@ -288,161 +287,12 @@ def _row_task(row: dict[str, Any], where: str) -> str:
 
 
 def _manifest_example(row: dict[str, Any], task: str, folder: Path, where: str, seen: dict[str, str]) -> Example:
-    ident = _example_id(row.get("id"), where, seen)
+    ident = example_id(row.get("id"), where, seen)
     if task == SPEECH:
-        given = str(_member(folder, row["audio"], "audio", where))
+        given = str(member_path(folder, row["audio"], "audio", where))
     elif "article" in row:
-        given = _article(row["article"], "article", where)
+        given = article_text(row["article"], "article", where)
     else:
         given = _article_file(folder, row["article_file"], where)
-    reference = _text(row.get(_REFERENCE_KEY[task]), _REFERENCE_KEY[task], where)
+    reference = text_field(row.get(_REFERENCE_KEY[task]), _REFERENCE_KEY[task], where)
     return Example(ident, task, given, reference)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hugging Face data sets (save_to_disk folders and parquet)
-
-
-def _checked_columns(columns: Mapping[str, str] | None) -> dict[str, str]:
-    columns = dict(columns or {})
-    unknown = sorted(set(columns) - set(_COLUMN_NAMES))
-    if unknown:
-        raise EvalDataError(f"columns: unknown name(s) {', '.join(map(repr, unknown))}; map "
-                            f"{', '.join(_COLUMN_NAMES)} to the data set's column names")
-    for ours, theirs in columns.items():
-        if not isinstance(theirs, str) or not theirs:
-            raise EvalDataError(f"columns: {ours!r} must map to a column name, got {theirs!r}")
-    return columns
-
-
-def _datasets():
-    try:
-        import datasets
-    except ImportError:
-        raise EvalDataError("reading a Hugging Face data set or parquet files needs the datasets package: "
-                            "pip install datasets") from None
-    return datasets
-
-
-@contextmanager
-def _quiet(datasets) -> Iterator[None]:
-    """datasets draws progress bars while it loads; the evaluation draws its own, so silence them meanwhile."""
-    was_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_on:
-            datasets.enable_progress_bars()
-
-
-def _read_dataset(form: str, source: Path, columns: dict[str, str], limit: int | None) -> list[Example]:
-    datasets = _datasets()
-    with _quiet(datasets), tempfile.TemporaryDirectory(prefix="specviz-eval-") as cache:
-        if form == "disk":
-            try:
-                table = datasets.load_from_disk(str(source))
-            except (OSError, ValueError, KeyError) as e:
-                raise EvalDataError(f"{source}: not a readable data set ({e})") from None
-            folder = source
-        else:
-            files = sorted(source.glob("*.parquet")) if source.is_dir() else [source]
-            for file in files:
-                _check_file_size(file)
-            try:
-                # a throwaway cache: the rows become Examples below, and nothing is left in ~/.cache
-                table = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train",
-                                              cache_dir=cache, keep_in_memory=True)
-            except (OSError, ValueError) as e:
-                raise EvalDataError(f"{source}: not readable as parquet ({e})") from None
-            folder = source if source.is_dir() else source.parent
-        if len(table) > MAX_ROWS and limit is None:
-            raise _too_many(source)
-        if limit is not None and len(table) > limit:
-            table = table.select(range(limit))
-        return _dataset_examples(table, source, folder, columns, datasets)
-
-
-def _dataset_examples(table, source: Path, folder: Path, columns: dict[str, str], datasets) -> list[Example]:
-    names = list(table.column_names)
-    input_col = columns.get("input") or ("audio" if "audio" in names else "article")
-    task = SPEECH if _is_audio_column(input_col, table.features.get(input_col), datasets) else TEXT
-    ref_default = "summary" if task == TEXT else ("transcript" if "transcript" in names else "text")
-    ref_col = columns.get("reference", ref_default)
-    id_col = columns.get("id")
-    for col, ours in ((input_col, "input"), (ref_col, "reference"), (id_col, "id")):
-        if col is not None and col not in names:
-            raise EvalDataError(f"{source}: no column {col!r} for the {ours} (columns: {', '.join(names)}); "
-                                f"name it with columns={{{ours!r}: ...}}")
-    if task == SPEECH and isinstance(table.features[input_col], datasets.Audio):
-        # undecoded cells ({path, bytes}): specviz.audio decodes them, with its limits, not datasets' backend
-        table = table.cast_column(input_col, datasets.Audio(decode=False))
-    table = table.select_columns([c for c in (input_col, ref_col, id_col) if c is not None])
-    seen: dict[str, str] = {}
-    examples = []
-    for index, row in enumerate(table):
-        where = f"{source}, row {index}"
-        ident = _example_id(_dataset_id(row[id_col], where) if id_col else str(index), where, seen)
-        if task == SPEECH:
-            given = _audio_cell(row[input_col], folder, input_col, where)
-        else:
-            given = _article(row[input_col], input_col, where)
-        examples.append(Example(ident, task, given, _text(row[ref_col], ref_col, where)))
-    return examples
-
-
-def _is_audio_column(name: str, feature: Any, datasets) -> bool:
-    """Speech when the input column is a datasets Audio feature, a struct (a dict a cell), or is named for
-    audio (a column of file paths)."""
-    return isinstance(feature, (datasets.Audio, dict)) or "audio" in name.lower()
-
-
-def _dataset_id(value: Any, where: str) -> Any:
-    # many public data sets number their rows: an integer id is as good as a string one
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    return value
-
-
-def _audio_cell(cell: Any, folder: Path, column: str, where: str) -> str | np.ndarray:
-    """A path (checked like a manifest's) or 16 kHz mono samples, from any form datasets stores audio in."""
-    if isinstance(cell, str):
-        return str(_member(folder, cell, column, where))
-    if not isinstance(cell, dict):
-        raise EvalDataError(f"{where}: '{column}' must be a file path or a dict with array and sampling_rate, "
-                            f"bytes, or path; got {type(cell).__name__}")
-    try:
-        if cell.get("array") is not None:
-            return _frozen(_resampled(cell["array"], cell.get("sampling_rate"), where))
-        if cell.get("bytes"):
-            return _frozen(_decoded(cell["bytes"], Path(str(cell.get("path") or "audio")).suffix))
-        if cell.get("path"):
-            return str(_member(folder, cell["path"], column, where))
-    except AudioError as e:
-        raise EvalDataError(f"{where}: {e}") from None
-    raise EvalDataError(f"{where}: '{column}' holds neither samples (array), file contents (bytes) nor a path")
-
-
-def _resampled(array: Iterable[float], rate: Any, where: str) -> np.ndarray:
-    if isinstance(rate, bool) or not isinstance(rate, int):
-        raise EvalDataError(f"{where}: an audio array needs an integer sampling_rate, got {rate!r}")
-    try:
-        samples = np.asarray(array, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise EvalDataError(f"{where}: the audio array is not a list of numbers") from None
-    return to_model_input(samples, rate, where)
-
-
-def _decoded(data: bytes, suffix: str) -> np.ndarray:
-    """Embedded file contents, decoded through a temporary file so specviz.audio's header checks apply. The
-    samples stay in memory: about 4 MB a minute of audio."""
-    with tempfile.TemporaryDirectory(prefix="specviz-eval-") as folder:
-        file = Path(folder) / f"clip{suffix[:8]}"
-        file.write_bytes(data)
-        return load_audio(file)
-
-
-def _frozen(samples: np.ndarray) -> np.ndarray:
-    # one example's samples feed many cells (models x settings); none may change them for the next
-    samples.setflags(write=False)
-    return samples

@@ -11,7 +11,7 @@ import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .config import GAMMA_POLICIES, MODES
 from .eval_data import Example
@@ -186,10 +186,3 @@ def make_grid(base: Settings, *, modes: list[str] | None = None, policies: list[
                 temperatures=tuple(float(t) for t in temperatures or data.get("temperatures") or (0.0,)),
                 seeds=tuple(int(s) for s in seeds or data.get("seeds") or (0,)), base=base)
 
-
-def by_example(cells: list[Cell]) -> Iterator[tuple[str, list[Cell]]]:
-    """Cells grouped by example, in order (a worker keeps one example's source while it runs them)."""
-    groups: dict[str, list[Cell]] = {}
-    for cell in cells:
-        groups.setdefault(cell.example.id, []).append(cell)
-    yield from groups.items()

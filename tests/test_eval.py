@@ -85,6 +85,14 @@ def test_a_grid_that_cannot_run_is_refused_before_anything_loads(kwargs, message
         make_grid(Settings(), **kwargs)
 
 
+def test_cli_sigmoid_scales_are_symmetric_ranges(capsys):
+    from specviz.cli_eval import _ranges
+
+    assert _ranges(["default", "1e3", "10"]) == ["default", "-1e3:1e3", "-10:10"]
+    assert cli.main(["eval", "text", "--sigmoid-scales", "wide"]) == 2
+    assert "positive numbers" in capsys.readouterr().err
+
+
 def test_a_toml_grid(tmp_path):
     path = tmp_path / "grid.toml"
     path.write_text('modes = ["sigmoid"]\nsigmoid = ["-1e4:1e4", "-10:10"]\nseeds = [3]\nmax_new_tokens = 16\n')

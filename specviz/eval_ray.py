@@ -81,7 +81,7 @@ def run_ray(cells: list[Cell], grid: Grid, models: Models, results: ResultsFile,
         names = ray.get(actors[0].names.remote())
         actors += [actor.remote(models, threads) for _ in range(workers - 1)]
         on_workers(actors)
-        results.start(header(grid, models, data, names))
+        results.start(header(grid, models, data, names, workers, threads))
         attempts: Counter = Counter()
         in_flight: dict = {}
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from . import speedup
-from .config import MODES
-from .settings import TASKS
+from .config import MODES, default_sigmoid_range
+from .settings import SPEECH, TASKS
 
 MAX_RESULTS_BYTES = 64 << 20
 MAX_LINE_CHARS = 1 << 20
@@ -144,6 +144,7 @@ class Summary:
     """One row of the tables: a variant at a temperature, over every example and seed it ran."""
 
     variant: str
+    task: str
     mode: str
     gamma_policy: str
     sigmoid_alpha: float | None
@@ -215,7 +216,7 @@ def summarize(results: Results) -> list[Summary]:
             for g, (seconds, _) in r["verify_by_gamma"].items():
                 by_gamma.setdefault(int(g), []).append(1e6 * seconds)
         rows.append(Summary(
-            variant=variant, mode=first["mode"], gamma_policy=first["gamma_policy"],
+            variant=variant, task=first["task"], mode=first["mode"], gamma_policy=first["gamma_policy"],
             sigmoid_alpha=first["sigmoid_alpha"], sigmoid_beta=first["sigmoid_beta"], temperature=temperature,
             cells=len(cells), failed=len(cells) - len(good), metric=good[0]["metric"] if good else "",
             score=_mean(scores), score_ci=bootstrap_ci(scores), alpha=_mean([r["alpha"] for r in good]),
@@ -229,7 +230,9 @@ def summarize(results: Results) -> list[Summary]:
             gamma_verify_us={g: statistics.median(v) for g, v in sorted(by_gamma.items())},
         ))
     order = {m: i for i, m in enumerate((TARGET_ONLY, *MODES))}
-    return sorted(rows, key=lambda s: (s.temperature, order[s.mode], s.variant))
+    # sigmoid's rows: the task's default range first, then the widest to the narrowest (Wagner's Table 2)
+    return sorted(rows, key=lambda s: (s.temperature, order[s.mode], s.gamma_policy, s.sigmoid_beta is not None,
+                                       -abs(s.sigmoid_beta or 0.0), s.variant))
 
 
 def _f(x: float | None, spec: str, suffix: str = "") -> str:
@@ -275,8 +278,10 @@ def table2(rows: list[Summary]) -> str:
     for s in sig:
         e = exact.get((s.gamma_policy, s.temperature))
         change = s.score - e.score if e is not None and e.score is not None and s.score is not None else None
-        lines.append(f"| {_f(s.sigmoid_alpha, 'g') if s.sigmoid_alpha is not None else 'default'} | "
-                     f"{_f(s.sigmoid_beta, 'g') if s.sigmoid_beta is not None else 'default'} | {s.gamma_policy} | "
+        scale = default_sigmoid_range(s.task == SPEECH)
+        low = f"{s.sigmoid_alpha:g}" if s.sigmoid_alpha is not None else f"{-scale:g} (default)"
+        high = f"{s.sigmoid_beta:g}" if s.sigmoid_beta is not None else f"{scale:g} (default)"
+        lines.append(f"| {low} | {high} | {s.gamma_policy} | "
                      f"{s.temperature:g} | {s.cells} | {_score(s)} | {_f(change, '+.3f')} | "
                      f"{_f(s.verify_reduction_pct, '+.1f', '%')} | {_f(s.sigmoid_tv, '.3f')} | {_f(s.alpha, '.3f')} |")
     return "\n".join(lines)
@@ -286,7 +291,9 @@ def report_markdown(results: Results) -> str:
     h = results.header
     rows = summarize(results)
     failed = [r for r in results.cells if r["status"] == "failed"]
-    notes = [f"{h.get('data', '?')} · {h.get('models', '?')} · {h.get('machine', '?')}",
+    where = f"{h.get('machine', '?')}" + (f" · {h['workers']} worker(s) × {h['threads_per_worker']} torch thread(s)"
+                                         if isinstance(h.get("workers"), int) else "")
+    notes = [f"{h.get('data', '?')} · {h.get('models', '?')} · {where}",
              f"{len(results.cells)} cells ({len(failed)} failed)" + (f"; {results.torn} torn line(s) skipped"
                                                                    if results.torn else "")]
     out = [" · ".join(str(n) for n in notes), "", "**Table 1** (per mode)", "", table1(rows), "",

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
+import torch
 
 from . import machine
 from .eval_data import Example
@@ -170,9 +171,10 @@ class SweepProgress:
     retried: int = 0  # attempts that failed and ran again
 
 
-def header(grid: Grid, models: Models, data: str, names: str) -> dict[str, Any]:
-    return {"machine": machine.describe(), "models": names, "task": models.task, "data": data,
-            "grid": grid.to_dict(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+def header(grid: Grid, models: Models, data: str, names: str, workers: int, threads: int) -> dict[str, Any]:
+    return {"machine": machine.describe(), "models": names, "task": models.task,
+            "data": data, "workers": workers, "threads_per_worker": threads, "grid": grid.to_dict(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _failure(error: BaseException | str) -> dict[str, Any]:
@@ -189,7 +191,7 @@ def run_serial(cells: list[Cell], grid: Grid, models: Models, results: ResultsFi
     if not todo:
         return progress
     runner = CellRunner(models, pair)
-    results.start(header(grid, models, data, runner.names))
+    results.start(header(grid, models, data, runner.names, 1, torch.get_num_threads()))
     for cell in todo:
         if should_stop():
             break

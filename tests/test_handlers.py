@@ -134,7 +134,8 @@ def test_evaluate_runs_a_small_sweep_and_stop_ends_it(tiny_pair, tmp_path, monke
         assert set(u) <= {*app.EVAL_SHOWN, "eval_download"}
     final = updates[-1]
     assert "Done: 4 of 4 runs (0 failed)" in final["status"], final["status"]
-    assert "| exact · γ auto | 0 | 1 | " in final["eval_table1"] and "| default | default | auto | 0 | 1 |" in final["eval_table2"]
+    assert "| exact · γ auto | 0 | 1 | " in final["eval_table1"]
+    assert "| -10000 (default) | 10000 (default) | auto | 0 | 1 |" in final["eval_table2"]
     assert final["eval_tradeoff_plot"].visible and any("run 4 of 4" in m for m in messages)
     results = load_results(final["eval_download"].value["path"])
     assert all(r["new_tokens"] <= handlers.PAGE_SWEEP_TOKENS for r in results.cells)  # the page's cap

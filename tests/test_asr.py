@@ -3,6 +3,8 @@ layer-sharing draft, and, marked real, the embedded Whisper base on the bundled 
 
 from __future__ import annotations
 
+import math
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,7 +15,7 @@ from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtracto
 
 from specviz.asr import SpeechPair, int8_layer_draft, layer_draft, load_speech_pair, word_error_rate
 from specviz.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
-from specviz.config import SpecConfig
+from specviz.config import SamplingConfig, SpecConfig
 from specviz.models import ModelLoadError
 from specviz.prompts import ASSETS
 from specviz.runs import transcribe as transcribe_clips
@@ -209,6 +211,29 @@ def test_greedy_equality_with_the_int8_draft_and_a_reduced_head(draft_vocab, con
         for d in trace.decisions():
             steps.setdefault(d.step, set()).add(d.gamma)
         assert any(len(g) > 1 for g in steps.values()), "no ragged iteration: the test would prove little"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_sampled_ragged_speech_batch_keeps_every_distribution_finite(seed):
+    """Issue 22: clips of different lengths decoded as one batch, rows stopping their drafts at different
+    points (confidence stop) over a reduced int8 head, sampled: this once produced NaN draft logits. The
+    verifier refuses NaN or inf logits (InvalidLogitsError), so a finished run with finite p and q at every
+    drafted token is the check."""
+    target = tiny_whisper()
+    processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
+    pair = SpeechPair(target, int8_layer_draft(target, (0, 1, 3)), processor, "tiny", "tiny int8")
+    clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((1.0, 7.0, 3.5))]
+    cfg = SpecConfig(mode="exact", sampling=SamplingConfig(temperature=1.0), gamma_policy="bass", max_new_tokens=24,
+                     draft_vocab=40, draft_confidence=0.5, seed=seed)
+    trace = transcribe_clips(pair, clips, cfg)
+    drafted = trace.drafted()
+    assert drafted
+    for d in drafted:
+        assert all(math.isfinite(x) and 0 <= x <= 1 for x in d.p + d.q + d.accept_prob), d
+    gammas: dict[int, set[int]] = {}
+    for d in drafted:
+        gammas.setdefault(d.step, set()).add(d.gamma)
+    assert any(len(g) > 1 for g in gammas.values()), "no ragged iteration: the test would prove little"
 
 
 def test_word_error_rate_normalizes():

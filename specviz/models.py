@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import cpu_kernels
+from . import cpu_kernels, hub
 from .cache import CACHE_ENV, cache_dir  # noqa: F401 (re-exported: tests and the CLI use it here)
 from .packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current,
                      save_packed)
@@ -260,18 +259,21 @@ def load_model(
                              f"{'a GGUF file' if gguf else 'not a GGUF file'} on {device.type} in "
                              f"{str(dtype).removeprefix('torch.')} (use dense weights)")
     packed = use_packed(weights, packable, role, progress)
+    hub_kwargs: dict = {}
     try:
         if isinstance(source, str) and source in EMBEDDED:
             source = ensure_embedded(source, progress)
             progress(f"loading {role} model {label}", None)
         elif isinstance(source, str):  # a hub id: say where the wait comes from
-            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-            progress(f"loading {role} model {label} from the local hub cache" if offline else
-                     f"fetching {role} model {label} from the model hub (or its local cache)", None)
+            progress(f"fetching {role} model {label} from the model hub (or its local cache)", None)
+            hub_kwargs = hub.sources(source, role)  # refused in seconds when offline and not cached
+            if hub_kwargs or hub.offline_by_choice():
+                progress(f"loading {role} model {label} from the local hub cache", None)
         else:
             progress(f"loading {role} model {label}", None)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
-        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": extra["gguf_file"]} if extra else {}))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **hub_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": extra["gguf_file"]} if extra else {}),
+                                                  **hub_kwargs)
         if packed:
             if "gguf_file" in extra:  # a user's own GGUF file: packed from it at each load (seconds)
                 blocks = pack_gguf(model, Path(source) / extra["gguf_file"], progress)

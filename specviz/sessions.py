@@ -3,16 +3,15 @@ hub ids and local paths checked against what the server accepts) and each sessio
 
 from __future__ import annotations
 
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .hub import HUB_ID
 from .models import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
 from .settings import SPEECH, TEXT
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,7 @@ class ModelAccess:
     def check(self, name: str, role: str) -> None:
         if name == DEFAULT or (role == "draft" and name.startswith("layers:")) or self.allowed_dirs is None:
             return
-        if _HUB_ID.match(name) and ".." not in name and not Path(name).expanduser().exists():
+        if HUB_ID.match(name) and ".." not in name and not Path(name).expanduser().exists():
             return  # a hub id, which transformers resolves from its own cache or the hub
         real = Path(name).expanduser().resolve()
         if not any(real == d or d in real.parents for d in self.allowed_dirs):

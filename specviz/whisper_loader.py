@@ -18,6 +18,7 @@ import torch
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
 from .ct2_format import CT2FormatError
+from . import hub
 from .models import DEFAULT, ModelLoadError, Progress, _silent, cache_dir, concat_verified, default_device, parse_dtype
 from .whisper_ct2 import convert_ct2_dir, convert_ct2_files, is_ct2_dir
 
@@ -124,13 +125,14 @@ def load_whisper(
             source: str | Path = ensure_embedded_whisper(progress)
         else:
             source = Path(name).expanduser() if Path(name).expanduser().is_dir() else name
+        hub_kwargs = hub.sources(source, "Whisper") if isinstance(source, str) else {}  # in seconds when offline
         progress(f"loading Whisper model {label}", None)
         if is_ct2_dir(source):
             model, processor = convert_ct2_dir(source)
             model = model.to(dtype)
         else:
-            model = WhisperForConditionalGeneration.from_pretrained(source, dtype=dtype)
-            processor = WhisperProcessor.from_pretrained(source)
+            model = WhisperForConditionalGeneration.from_pretrained(source, dtype=dtype, **hub_kwargs)
+            processor = WhisperProcessor.from_pretrained(source, **hub_kwargs)
     except ModelLoadError:
         raise
     except Exception as e:  # transformers raises many types (OSError, ValueError, HTTP errors)

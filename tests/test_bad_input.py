@@ -158,3 +158,25 @@ def test_public_page_accepts_local_models_only_under_named_dirs(tmp_path):
         messages.add(str(e.value).replace(repr(bad), "NAME"))
     assert len(messages) == 1 and "--models-dir" in messages.pop()
     ModelAccess().check("/etc", "draft")  # localhost: the visitor is the operator
+
+
+def test_an_uncached_hub_id_is_refused_within_seconds_when_the_hub_cannot_be_reached(monkeypatch):
+    """Issue 22: offline, transformers would retry for half a minute; specviz asks the hub once, briefly."""
+    import time
+
+    from huggingface_hub import constants
+
+    from specviz import hub
+    from specviz.models import ModelLoadError, load_pair
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")  # .invalid never resolves (RFC 2606)
+    monkeypatch.setattr(hub, "_known", None)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache and the model hub cannot be reached"):
+        load_pair("specviz-tests/no-such-model", "specviz-tests/no-such-model")
+    assert time.monotonic() - started < hub.REACH_TIMEOUT_S + 2
+    assert hub.reachable() is False  # remembered: the next load does not wait again
+    monkeypatch.setattr(hub, "cached", lambda name, file="config.json": True)
+    assert hub.sources("owner/cached-model", "draft") == {"local_files_only": True}
+    assert hub.sources("/a/missing/path", "draft") == {}  # not a hub id: transformers refuses it without a network

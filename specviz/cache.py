@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 from pathlib import Path
 
@@ -14,3 +16,52 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specviz"
     )
     return Path(root)
+
+
+MARKER = "specviz-converted.json"  # written last into a converted directory: its presence means "complete"
+
+
+def seal(directory: Path, info: dict) -> None:
+    """Mark a converted directory complete: `info` (what it was made from) and every file's size, each file
+    flushed to disk first, so a later start can tell a whole conversion from one cut short."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MARKER):
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+        files[path.relative_to(directory).as_posix()] = path.stat().st_size
+    with open(directory / MARKER, "w", encoding="utf-8") as handle:
+        json.dump({**info, "files": files}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def damage(directory: Path, info: dict) -> str | None:
+    """None when `directory` holds a complete conversion made from `info`; otherwise why it cannot be trusted
+    ("" when nothing was converted there)."""
+    try:
+        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError):
+        return "its marker file is unreadable"
+    if not isinstance(marker, dict):
+        return "its marker file is unreadable"
+    for key, value in info.items():
+        if marker.get(key) != value:
+            return f"it was made from another {key}"
+    files = marker.get("files")
+    if files is None:
+        return None  # sealed before sizes were recorded: trusted, as it was then
+    if not isinstance(files, dict):
+        return "its marker file is unreadable"
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size:,} bytes, not {size:,}"
+    return None
+
+
+def disk_full(error: OSError) -> bool:
+    return error.errno in (errno.ENOSPC, errno.EDQUOT)

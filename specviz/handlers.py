@@ -217,8 +217,11 @@ def upload(values: Values) -> Updates:
         views(trace)  # a trace that loads but cannot be drawn is refused too
     except (TraceFormatError, OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
         return {"status": error(e)}
-    return opened(trace, f"Loaded trace {html.escape(Path(path).name)} ({len(trace.steps)} iterations; no model "
-                         f"was run; its settings are restored).")
+    try:
+        return opened(trace, f"Loaded trace {html.escape(Path(path).name)} ({len(trace.steps)} iterations; no model "
+                             f"was run; its settings are restored).")
+    except OSError as e:  # its export could not be written (a full disk): said, the page stays usable
+        return {"status": error(e)}
 
 
 def open_compared(values: Values) -> Updates:

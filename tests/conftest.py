@@ -22,6 +22,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "real: runs the embedded real model pair (slow: converts it on first use)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "browser: drives the page in headless Chromium")
+    config.addinivalue_line("markers", "load: many sessions at once against the running page (gradio_client)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 CACHE_ENV = "SPECVIZ_CACHE"
 
@@ -61,6 +62,15 @@ def damage(directory: Path, info: dict) -> str | None:
         if path.stat().st_size != size:
             return f"{name} is {path.stat().st_size:,} bytes, not {size:,}"
     return None
+
+
+def trusted(directory: Path, info: dict, name: str, progress: Callable[[str, float | None], None]) -> bool:
+    """Whether the conversion in `directory` can be used as it is; when one is there but damaged, says so
+    through `progress` (it will be converted again)."""
+    reason = damage(directory, info)
+    if reason:  # a start killed mid-write, a full disk, a file changed since: never trusted, rebuilt
+        progress(f"the converted {name} in the cache cannot be trusted ({reason}); converting it again", None)
+    return reason is None
 
 
 def disk_full(error: OSError) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from . import machine
+from . import machine, metrics
 from .eval_data import Example
 from .runs import run
 from .settings import SPEECH, TEXT
@@ -83,20 +83,10 @@ class CellRunner:
         return measurements(trace, cell, time.perf_counter() - started)
 
 
-def score(task: str, reference: str, output: str) -> tuple[str, float]:
-    if task == TEXT:
-        from .page import rouge1
-
-        return "rouge1", rouge1(reference, output)
-    from .asr import word_error_rate
-
-    return "wer", word_error_rate(reference, output)
-
-
 def measurements(trace: Trace, cell: Cell, seconds: float) -> dict[str, Any]:
     """What a results file keeps of one run."""
     s = trace.summary()
-    metric, value = score(cell.example.task, cell.example.reference, trace.output_text)
+    metric, value = metrics.score(cell.example.task, cell.example.reference, trace.output_text)
     by_gamma: dict[int, list[float]] = {}
     for step in trace.steps:
         if step.gamma > 0:

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import cpu_kernels, hub
-from .cache import CACHE_ENV, cache_dir, damage, disk_full, seal  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
+from .cache import CACHE_ENV, cache_dir, disk_full, seal, trusted  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
 from .packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current,
                      save_packed)
 from .prompt_cache import PromptCache
@@ -189,12 +189,9 @@ def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
     spec = EMBEDDED[name]
     final = cache_dir() / name
     made_from = {"gguf": spec.gguf_file, "sha256": spec.sha256}
-    reason = damage(final, made_from)
-    if reason is None:
+    if trusted(final, made_from, name, progress):
         _ensure_packed(spec, final, progress)
         return final
-    if reason:  # a start killed mid-write, a full disk, a file changed since: never trusted, rebuilt
-        progress(f"the converted {name} in the cache cannot be trusted ({reason}); converting it again", None)
     work = cache_dir() / f".{name}.partial"
     shutil.rmtree(work, ignore_errors=True)
     (work / "gguf").mkdir(parents=True)

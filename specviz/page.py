@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import report
+from . import metrics, report
 from .audio import load_audio
 from .compare import Row, compare, hf_assisted_runs, noise, source_runner
 from .config import MODES, SpecConfig
@@ -235,18 +235,8 @@ def score(trace: Trace, task: str, reference: str) -> None:
     if not reference.strip():
         return
     trace.meta["reference"] = reference
-    if task == TEXT:
-        trace.meta["rouge1"] = rouge1(reference, trace.output_text)
-    else:
-        from .asr import word_error_rate
-
-        trace.meta["wer"] = word_error_rate(reference, trace.output_text)
-
-
-def rouge1(reference: str, summary: str) -> float:
-    from rouge_score import rouge_scorer
-
-    return rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True).score(reference, summary)["rouge1"].fmeasure
+    name, value = metrics.score(task, reference, trace.output_text)
+    trace.meta[name] = value
 
 
 def figures(trace: Trace, upto: int | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
 from .ct2_format import CT2FormatError
 from . import hub
-from .cache import CACHE_ENV, cache_dir, damage, disk_full, seal
+from .cache import CACHE_ENV, cache_dir, disk_full, seal, trusted
 from .models import DEFAULT, ModelLoadError, Progress, _silent, concat_verified, default_device, parse_dtype
 from .whisper_ct2 import convert_ct2_dir, convert_ct2_files, is_ct2_dir
 
@@ -69,11 +69,8 @@ def ensure_embedded_whisper(progress: Progress = _silent, spec: EmbeddedCT2 | No
     spec = spec if spec is not None else EMBEDDED_WHISPER
     final = cache_dir() / spec.name
     made_from = {"sha256": spec.sha256, "converter": _CONVERTER_VERSION}
-    reason = damage(final, made_from)
-    if reason is None:
+    if trusted(final, made_from, spec.name, progress):
         return final
-    if reason:  # a start killed mid-write, a full disk, a file changed since: never trusted, rebuilt
-        progress(f"the converted {spec.name} in the cache cannot be trusted ({reason}); converting it again", None)
     work = cache_dir() / f".{spec.name}.partial-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     (work / "ct2").mkdir(parents=True)

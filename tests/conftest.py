@@ -85,6 +85,18 @@ def tiny_llama(seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).float().eval()
 
 
+def save_tiny_pair(root: Path) -> tuple[str, str]:
+    """A tiny random Llama draft/target pair saved as local checkpoints under root; (draft dir, target dir).
+    Reloading registers <eos> once more, so the tokenizer is 64 short of the heads (as Qwen's heads are wider)."""
+    target = tiny_llama(0)
+    draft = perturbed_copy(target, noise=0.03, seed=1)
+    tok = word_tokenizer(VOCAB - 64)
+    for name, model in (("draft", draft), ("target", target)):
+        model.save_pretrained(root / name)
+        save_tokenizer(tok, root / name)
+    return str(root / "draft"), str(root / "target")
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerFast:
     return word_tokenizer()

@@ -18,7 +18,7 @@ from specviz.eval_run import Models, ResultsFile, run_serial
 from specviz.settings import TEXT, Settings
 from specviz.sweep import Grid, GridError, make_grid
 
-from conftest import VOCAB, perturbed_copy, save_tokenizer, tiny_llama, word_tokenizer
+from conftest import save_tiny_pair
 
 ARTICLES = {"a1": ("w5 w9 w13 w2 w7 w5 w9 w13 w4 w11", "w5 w9 w13"),
             "a2": ("w21 w3 w3 w8 w21 w3 w8 w40 w41", "w21 w3 w8"),
@@ -27,14 +27,7 @@ ARTICLES = {"a1": ("w5 w9 w13 w2 w7 w5 w9 w13 w4 w11", "w5 w9 w13"),
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> Models:
-    root = tmp_path_factory.mktemp("eval-models")
-    target = tiny_llama(0)
-    draft = perturbed_copy(target, noise=0.03, seed=1)
-    tok = word_tokenizer(VOCAB - 64)
-    for name, model in (("draft", draft), ("target", target)):
-        model.save_pretrained(root / name)
-        save_tokenizer(tok, root / name)
-    return Models(TEXT, str(root / "draft"), str(root / "target"))
+    return Models(TEXT, *save_tiny_pair(tmp_path_factory.mktemp("eval-models")))
 
 
 @pytest.fixture(scope="module")

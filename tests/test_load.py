@@ -42,7 +42,7 @@ import app
 from specviz import page
 from specviz.settings import Settings
 
-from conftest import VOCAB, perturbed_copy, save_tokenizer, tiny_llama, word_tokenizer
+from conftest import save_tiny_pair
 
 pytestmark = pytest.mark.load
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,14 +66,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> tuple[str, str]:
     """A tiny random draft/target pair saved as local checkpoints, typed into the page's model fields."""
-    root = tmp_path_factory.mktemp("load-models")
-    target = tiny_llama(0)
-    draft = perturbed_copy(target, noise=0.03, seed=1)
-    tok = word_tokenizer(VOCAB - 64)  # as in test_page_browser: reloading registers <eos> once more
-    for name, model in (("draft", draft), ("target", target)):
-        model.save_pretrained(root / name)
-        save_tokenizer(tok, root / name)
-    return str(root / "draft"), str(root / "target")
+    return save_tiny_pair(tmp_path_factory.mktemp("load-models"))
 
 
 @dataclass

@@ -22,7 +22,7 @@ import pytest
 
 from specviz.trace import Trace
 
-from conftest import VOCAB, perturbed_copy, save_tokenizer, tiny_llama, word_tokenizer
+from conftest import save_tiny_pair
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -39,14 +39,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("page-models")
-    target = tiny_llama(0)
-    draft = perturbed_copy(target, noise=0.03, seed=1)
-    tok = word_tokenizer(VOCAB - 64)  # reloading registers <eos> once more; the heads stay wider, as Qwen's do
-    for name, model in (("draft", draft), ("target", target)):
-        model.save_pretrained(root / name)
-        save_tokenizer(tok, root / name)
-    return str(root / "draft"), str(root / "target")
+    return save_tiny_pair(tmp_path_factory.mktemp("page-models"))
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ Wagner et al.'s Table 1 (per mode) and Table 2 (per sigmoid range) computed from
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import statistics
@@ -235,6 +236,11 @@ def summarize(results: Results) -> list[Summary]:
                                        -abs(s.sigmoid_beta or 0.0), s.variant))
 
 
+def _text(value: object, limit: int = 120) -> str:
+    """A string from the (untrusted) results file, safe in Markdown and in the page's HTML."""
+    return html.escape(str(value)[:limit]).replace("|", "\\|").replace("\n", " ")
+
+
 def _f(x: float | None, spec: str, suffix: str = "") -> str:
     return "–" if x is None else format(x, spec) + suffix
 
@@ -254,12 +260,13 @@ def table1(rows: list[Summary]) -> str:
     first_range = next(((s.sigmoid_alpha, s.sigmoid_beta) for s in rows if s.mode == "sigmoid"), None)
     shown = [s for s in rows if s.mode != "sigmoid" or (s.sigmoid_alpha, s.sigmoid_beta) == first_range]
     head = (f"| run | T | cells | {_metric_name(shown)} (95% CI) | α | acceptance | tokens / iteration | "
-            "verify µs / call | Δ% verify time vs baseline | decoding tokens/s | Δ% decoding tokens/s vs target-only | "
+            "verify µs / call (mean) | Δ% verify time vs baseline | decoding tokens/s (mean) | "
+            "Δ% decoding tokens/s vs target-only (median) | "
             "TV(p̂, p) |")
     lines = [head, "|" + " --- |" * 12]
     for s in shown:
         failed = f" ({s.failed} failed)" if s.failed else ""
-        lines.append(f"| {s.variant} | {s.temperature:g} | {s.cells}{failed} | {_score(s)} | {_f(s.alpha, '.3f')} | "
+        lines.append(f"| {_text(s.variant)} | {s.temperature:g} | {s.cells}{failed} | {_score(s)} | {_f(s.alpha, '.3f')} | "
                      f"{_f(s.acceptance_rate, '.3f')} | {_f(s.tokens_per_iteration, '.2f')} | "
                      f"{_f(s.verify_us_per_call, '.0f')} | {_f(s.verify_reduction_pct, '+.1f', '%')} | "
                      f"{_f(s.decode_tokens_per_s, '.2f')} | {_f(s.decode_change_pct, '+.1f', '%')} | "
@@ -281,7 +288,7 @@ def table2(rows: list[Summary]) -> str:
         scale = default_sigmoid_range(s.task == SPEECH)
         low = f"{s.sigmoid_alpha:g}" if s.sigmoid_alpha is not None else f"{-scale:g} (default)"
         high = f"{s.sigmoid_beta:g}" if s.sigmoid_beta is not None else f"{scale:g} (default)"
-        lines.append(f"| {low} | {high} | {s.gamma_policy} | "
+        lines.append(f"| {low} | {high} | {_text(s.gamma_policy)} | "
                      f"{s.temperature:g} | {s.cells} | {_score(s)} | {_f(change, '+.3f')} | "
                      f"{_f(s.verify_reduction_pct, '+.1f', '%')} | {_f(s.sigmoid_tv, '.3f')} | {_f(s.alpha, '.3f')} |")
     return "\n".join(lines)
@@ -291,14 +298,16 @@ def report_markdown(results: Results) -> str:
     h = results.header
     rows = summarize(results)
     failed = [r for r in results.cells if r["status"] == "failed"]
-    where = f"{h.get('machine', '?')}" + (f" · {h['workers']} worker(s) × {h['threads_per_worker']} torch thread(s)"
-                                         if isinstance(h.get("workers"), int) else "")
-    notes = [f"{h.get('data', '?')} · {h.get('models', '?')} · {where}",
+    workers, threads = h.get("workers"), h.get("threads_per_worker")
+    where = _text(h.get("machine", "?"), 200) + (f" · {workers} worker(s) × {threads} torch thread(s)"
+                                                 if isinstance(workers, int) and isinstance(threads, int) else "")
+    notes = [f"{_text(h.get('data', '?'), 200)} · {_text(h.get('models', '?'), 200)} · {where}",
              f"{len(results.cells)} cells ({len(failed)} failed)" + (f"; {results.torn} torn line(s) skipped"
                                                                    if results.torn else "")]
     out = [" · ".join(str(n) for n in notes), "", "**Table 1** (per mode)", "", table1(rows), "",
            "**Table 2** (sigmoid's range)", "", table2(rows)]
     if failed:
-        out += ["", "Failed cells:"] + [f"- {r['example']} · {r['variant']} · seed {r['seed']}: {r['error'][:200]}"
+        out += ["", "Failed cells:"] + [f"- {_text(r['example'])} · {_text(r['variant'])} · seed {r['seed']}: "
+                                        f"{_text(r['error'], 200)}"
                                         for r in failed[:20]]
     return "\n".join(out)

@@ -161,6 +161,21 @@ def test_a_malformed_results_file_names_its_line(tmp_path, line, message):
         load_results(path)
 
 
+def test_strings_from_a_results_file_reach_the_tables_escaped(tmp_path, manifest, tiny_models):
+    _, results = _serial(tmp_path, manifest, tiny_models, name="hostile.jsonl")
+    lines = results.path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["models"] = "<script>alert(1)</script>"
+    cell = json.loads(lines[1])
+    cell.update(variant="<img src=x onerror=alert(1)>|x", status="failed", error="<b>boom</b>\n| row")
+    for key in ("metric", "score"):
+        cell.pop(key, None)
+    results.path.write_text("\n".join([json.dumps(header), *lines[2:], json.dumps(cell)]) + "\n")
+    report = report_markdown(load_results(results.path))
+    assert "<script>" not in report and "<img" not in report and "<b>" not in report
+    assert "&lt;img src=x onerror=alert(1)&gt;\\|x" in report and "&lt;script&gt;" in report
+
+
 def test_a_results_file_without_header_or_as_binary_is_refused(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\xff\xfe\x00garbage")

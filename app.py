@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import gradio as gr
 
-from specviz import handlers, page, sessions, settings
+from specviz import handlers, page, sessions, settings, shelf
 from specviz.handlers import COMPARE_COLUMNS, VIEW, Server
 from specviz.models import cache_dir
 from specviz.prompts import ASSETS, sample_article
@@ -78,8 +78,10 @@ def control(name: str, **layout: Any) -> gr.Component:
 def layout() -> dict[str, Any]:
     """The page's components by name (each setting under its own name). Call inside gr.Blocks."""
     c: dict[str, Any] = {}
-    c["trace"] = gr.State(None)  # per browser session: nobody sees another user's trace
-    c["compare_state"] = gr.State({})  # the session's last comparison: name -> its median run's trace
+    # Per browser session, so nobody sees another user's trace; the states hold shelf tickets, the traces are on
+    # the server's shelf (Gradio keeps a closed session's state for an hour).
+    c["trace"] = gr.State(None)  # the trace shown
+    c["compare_state"] = gr.State({})  # the session's last comparison: name -> its median run's ticket
     c["task"] = gr.State(settings.TEXT)
     gr.Markdown("# specviz · speculative decoding you can watch")
     gr.Markdown(INTRO, elem_id="intro")
@@ -259,8 +261,10 @@ RESTORED = [*SHOWN, *settings.page_names(), "article"]  # an opened trace also r
 
 
 def build(models: sessions.ModelCache) -> gr.Blocks:
-    server = Server(models, sessions.Stops(), page.References())
-    with gr.Blocks(title="specviz: speculative decoding you can watch") as demo:
+    server = Server(models, sessions.Stops(), page.References(), shelf.default_shelf())
+    # delete_cache: uploads (and exports, which the page prunes itself) older than a day are deleted hourly;
+    # without it every file ever uploaded stays on disk until the server stops.
+    with gr.Blocks(title="specviz: speculative decoding you can watch", delete_cache=(3600, 86400)) as demo:
         c = layout()
         wire = Wiring(c)
         for button, handler, inputs, outputs in ((c["run_button"], partial(handlers.run, server), RUN_INPUTS, SHOWN),
@@ -277,13 +281,15 @@ def build(models: sessions.ModelCache) -> gr.Blocks:
             handlers.unload(server, request.session_hash)
 
         demo.unload(on_unload)
-        wire.connect(c["trace_upload"].upload, handlers.upload, ["trace_upload"], RESTORED)
+        wire.connect(c["trace_upload"].upload, partial(handlers.upload, server), ["trace_upload"], RESTORED)
         wire.connect(c["eval_upload"].upload, handlers.evaluate_upload, ["eval_upload"], [*EVAL_SHOWN, "eval_upload"])
-        wire.connect(c["open_button"].click, handlers.open_compared, ["compare_state", "compare_pick"], RESTORED)
+        wire.connect(c["open_button"].click, partial(handlers.open_compared, server), ["compare_state", "compare_pick"],
+                     RESTORED)
         for event in (c["replay"].input, c["replay"].release):
-            wire.connect(event, handlers.replay, ["trace", "replay"], VIEW, show_progress="hidden")
-        wire.connect(c["why_select"].change, handlers.why, ["trace", "why_select"], ["why_panel"],
-                     show_progress="hidden")
+            wire.connect(event, partial(handlers.replay, server), ["trace", "replay"], ["status", *VIEW],
+                         show_progress="hidden")
+        wire.connect(c["why_select"].change, partial(handlers.why, server), ["trace", "why_select"],
+                     ["status", "why_panel"], show_progress="hidden")
         wire.connect(c["sample_text_button"].click, handlers.sample_text, [], ["article"])
         wire.connect(c["sample_audio_button"].click, handlers.sample_audio, [], ["audio", "reference_transcript"])
         c["tab_text"].select(lambda: settings.TEXT, None, c["task"])

@@ -18,6 +18,7 @@ import gradio as gr
 import pandas as pd
 
 from . import page, sessions
+from .shelf import Ticket, TraceShelf, json_size
 from .compare import Row
 from .eval_data import BUNDLED_SPEECH, BUNDLED_TEXT, describe, load_examples
 from .eval_figures import tradeoff_figure, verify_gamma_figure
@@ -54,11 +55,12 @@ class Caller:
 @dataclass(frozen=True)
 class Server:
     """What all sessions of one page share. Each member guards itself: models load once under a per-pair
-    lock, the Stop table and the reference table take their own locks."""
+    lock, the Stop table, the reference table and the trace shelf take their own locks."""
 
     models: sessions.ModelCache
     stops: sessions.Stops
     references: page.References
+    traces: TraceShelf  # every session's traces; a session's "trace" state holds only its shelf.Ticket
 
 
 def stamp(message: str) -> str:
@@ -88,8 +90,15 @@ def _replay_at_end(trace: Trace) -> gr.Slider:
     return gr.Slider(minimum=0, maximum=max(len(trace.steps), 1), value=len(trace.steps))
 
 
-def _download(trace: Trace) -> gr.DownloadButton:
-    return gr.DownloadButton(value=page.export(trace), interactive=True)
+def _exported(server: Server, trace: Trace, ticket: Ticket | None = None) -> Updates:
+    """Export the trace for download and hold it on the shelf at the size of its file."""
+    path = page.export(trace)
+    return {"export": gr.DownloadButton(value=path, interactive=True),
+            "trace": server.traces.put(trace, Path(path).stat().st_size, ticket)}
+
+
+GONE = ("This trace is no longer held by the server (it keeps the most recent ones); open its exported file "
+        "with “Load a trace” to see it again.")
 
 
 STARTS = ("run_button", "compare_button", "eval_button")  # what starts work in a session: one at a time
@@ -122,18 +131,21 @@ def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
         stream = page.stream_run(server.models, task, source_input, settings, progress, stop)
         yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
                                "the first iteration)…")}
-        trace = None
+        trace, ticket = None, None
         for trace, done in stream:
             if done:
                 reference = values["reference_summary"] if task == TEXT else values["reference_transcript"]
                 page.score(trace, task, reference or "")
                 note = ("Stopped" if trace.stopped else "Done") + \
                     f": {trace.new_tokens} tokens in {len(trace.steps)} iterations."
-                yield {"status": stamp(note), "trace": trace, "export": _download(trace),
-                       "replay": _replay_at_end(trace), **views(trace)}
+                shown = _exported(server, trace, ticket)
+                ticket = shown["trace"]
+                yield {"status": stamp(note), **shown, "replay": _replay_at_end(trace), **views(trace)}
             else:
+                # still growing: held at no size until it is done and exported (the shelf counts finished traces)
+                ticket = server.traces.put(trace, 0, ticket)
                 yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens"),
-                       "trace": trace, "replay": _replay_at_end(trace), **views(trace)}
+                       "trace": ticket, "replay": _replay_at_end(trace), **views(trace)}
         if trace is None or trace.stopped or not values["measure"]:
             return
         yield {"status": stamp("Done. Measuring target-only on the same input and settings for the speedup…")}
@@ -144,7 +156,7 @@ def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
             return
         trace.meta["target_only"] = reference
         yield {"status": stamp(f"Done: {trace.new_tokens} tokens in {len(trace.steps)} iterations; speedup measured."),
-               "trace": trace, "export": _download(trace), **views(trace)}
+               **_exported(server, trace, ticket), **views(trace)}
     except Exception as e:  # any failure is shown in the page, which stays usable
         yield {"status": error(e)}
     finally:
@@ -187,18 +199,19 @@ def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]
         rows, traces, note = page.compare_modes(server.models, values["task"], _source_input(values), settings,
                                                 caller.progress, on_stage, rounds=rounds, with_hf=bool(values["with_hf"]))
         names = list(traces)
+        tickets = {name: server.traces.put(trace, json_size(trace)) for name, trace in traces.items()}
         yield {"status": stamp(f"Comparison done: {rounds} round(s), same input and seed for every run."),
                "compare_table": compare_table(rows), "compare_note": note, "compare_plot": compare_figure(rows),
-               "compare_state": traces, "compare_pick": gr.Dropdown(choices=names, value=names[0] if names else None)}
+               "compare_state": tickets, "compare_pick": gr.Dropdown(choices=names, value=names[0] if names else None)}
     except Exception as e:
         yield {"status": error(e)}
 
 
-def opened(trace: Trace, how: str) -> Updates:
+def opened(server: Server, trace: Trace, how: str) -> Updates:
     """Show a trace in the main view with its settings and input restored, ready to export."""
     text = trace.meta.get("input") if trace.task == TEXT else None
     restored = Settings.from_meta(trace.meta).to_dict()
-    updates = {"status": stamp(how), "trace": trace, "export": _download(trace),
+    updates = {"status": stamp(how), **_exported(server, trace),
                "results": gr.Tabs(selected="run-results"), "replay": _replay_at_end(trace), **views(trace),
                **{name: restored[name] for name in page_names()}}
     if isinstance(text, str) and text.strip():
@@ -206,7 +219,7 @@ def opened(trace: Trace, how: str) -> Updates:
     return updates
 
 
-def upload(values: Values) -> Updates:
+def upload(server: Server, values: Values) -> Updates:
     """Load a trace file: redraw it and restore its settings; a file that cannot be drawn is refused."""
     file = values["trace_upload"]
     if file is None:
@@ -218,32 +231,39 @@ def upload(values: Values) -> Updates:
     except (TraceFormatError, OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
         return {"status": error(e)}
     try:
-        return opened(trace, f"Loaded trace {html.escape(Path(path).name)} ({len(trace.steps)} iterations; no model "
+        return opened(server, trace, f"Loaded trace {html.escape(Path(path).name)} ({len(trace.steps)} iterations; no model "
                              f"was run; its settings are restored).")
     except OSError as e:  # its export could not be written (a full disk): said, the page stays usable
         return {"status": error(e)}
 
 
-def open_compared(values: Values) -> Updates:
-    traces, name = values["compare_state"], values["compare_pick"]
-    if not traces or name not in traces:
+def open_compared(server: Server, values: Values) -> Updates:
+    tickets, name = values["compare_state"], values["compare_pick"]
+    if not tickets or name not in tickets:
         return {"status": stamp("Run a comparison first, then pick one of its runs.")}
-    return opened(traces[name], f"Opened the {html.escape(name)} run of the comparison.")
+    trace = server.traces.get(tickets[name])
+    if trace is None:
+        return {"status": stamp(GONE)}
+    return opened(server, trace, f"Opened the {html.escape(name)} run of the comparison.")
 
 
-def replay(values: Values) -> Updates:
-    trace = values["trace"]
-    return {} if trace is None else views(trace, int(values["replay"]))
+def replay(server: Server, values: Values) -> Updates:
+    if values["trace"] is None:
+        return {}
+    trace = server.traces.get(values["trace"])
+    return {"status": stamp(GONE)} if trace is None else views(trace, int(values["replay"]))
 
 
-def why(values: Values) -> Updates:
+def why(server: Server, values: Values) -> Updates:
     """The why-panel for the token the page's script wrote as "step,sequence,position,nonce"."""
-    trace = values["trace"]
     try:
         step, seq, pos = (int(x) for x in (values["why_select"] or "").split(",")[:3])
     except ValueError:
         return {}
-    return {} if trace is None else {"why_panel": why_html(trace, step, seq, pos)}
+    if values["trace"] is None:
+        return {}
+    trace = server.traces.get(values["trace"])
+    return {"status": stamp(GONE)} if trace is None else {"why_panel": why_html(trace, step, seq, pos)}
 
 
 def sample_text(values: Values) -> Updates:

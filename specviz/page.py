@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import queue
 import secrets
 import shutil
@@ -257,8 +258,12 @@ def figures(trace: Trace, upto: int | None = None) -> dict[str, Any]:
     }
 
 
-EXPORT_DIR = Path(tempfile.gettempdir()) / "specviz-exports"
-EXPORTS_KEPT = 64  # the newest exports stay downloadable; older ones are deleted so the disk does not fill
+# Inside Gradio's upload folder (its rule: $GRADIO_TEMP_DIR, else <tmp>/gradio), so Gradio serves an export where
+# it is; from any other folder it copied every export into its own, kept until the server stops.
+EXPORT_DIR = Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio").resolve() / \
+    "specviz-exports"
+EXPORTS_KEPT = 64  # the newest exports stay downloadable; older ones are deleted so the disk does not fill,
+EXPORT_MB_KEPT = 1000  # as are the oldest beyond this many MB (a 50 MB trace uploaded 64 times is 3.4 GB)
 
 
 def export_name(trace: Trace) -> str:
@@ -280,15 +285,32 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
+def _bytes(folder: Path) -> int:
+    """The bytes of the files in one export folder (0 for those removed meanwhile)."""
+    total = 0
+    for path in folder.glob("*"):
+        try:
+            total += path.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
 def download_folder() -> Path:
     """A fresh folder for one download (an export, a sweep's results), so that two in one minute keep their
-    readable names; the oldest beyond EXPORTS_KEPT are deleted so the disk does not fill. Another process may
-    prune the same folder at the same time: entries that vanish meanwhile are skipped."""
-    EXPORT_DIR.mkdir(exist_ok=True)
+    readable names; the oldest beyond EXPORTS_KEPT, or beyond EXPORT_MB_KEPT in all, are deleted so the disk
+    does not fill. Another process may prune the same folder at the same time: entries that vanish meanwhile
+    are skipped."""
+    EXPORT_DIR.mkdir(parents=True, exist_ok=True)
     with _PRUNING:
         dated = sorted((m, d) for d in EXPORT_DIR.iterdir() if (m := _mtime(d)) is not None and d.is_dir())
-        for _, path in dated[: max(0, len(dated) + 1 - EXPORTS_KEPT)]:
+        sizes = [_bytes(d) for _, d in dated]
+        total = sum(sizes)
+        for i, (_, path) in enumerate(dated):
+            if len(dated) - i < EXPORTS_KEPT and total <= EXPORT_MB_KEPT * 1e6:
+                break
             shutil.rmtree(path, ignore_errors=True)
+            total -= sizes[i]
         folder = EXPORT_DIR / secrets.token_hex(8)
         folder.mkdir()
     return folder

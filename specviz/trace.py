@@ -337,6 +337,10 @@ class Trace:
         d["summary"] = self.summary()  # for readers of the file; recomputed, never trusted, on load
         return d
 
+    def to_json(self) -> str:
+        """The trace as the indented JSON a trace file holds; ValueError for a value JSON cannot hold."""
+        return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False, indent=2)
+
     def save(self, path: str | Path) -> None:
         """Write the trace as indented UTF-8 JSON, whole or not at all.
 
@@ -345,7 +349,7 @@ class Trace:
         removed and `path` is left as it was.
         """
         path = Path(path)
-        text = json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False, indent=2)
+        text = self.to_json()
         partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
         handle = open(partial, "x", encoding="utf-8")  # "x": a new file, never someone else's
         try:

@@ -11,6 +11,7 @@ import app
 from specviz import handlers, page, sessions, settings
 from specviz.config import SpecConfig
 from specviz.runs import run
+from specviz.shelf import Ticket, TraceShelf
 from specviz.settings import TEXT, Settings
 from specviz.text import article_source
 from specviz.eval_results import load_results
@@ -19,9 +20,9 @@ from specviz.trace import Trace
 from conftest import decode
 
 
-def _server(pair) -> handlers.Server:
+def _server(pair, shelf: TraceShelf | None = None, tmp=None) -> handlers.Server:
     return handlers.Server(sessions.ModelCache(loader=lambda draft, target, progress: pair), sessions.Stops(),
-                           page.References())
+                           page.References(), shelf or TraceShelf(page.EXPORT_DIR.parent / "specviz-test-shelf", 10**8))
 
 
 def _values(**overrides) -> dict:
@@ -38,13 +39,16 @@ def _caller(session: str = "s1") -> tuple[handlers.Caller, list]:
 
 def test_run_streams_named_updates_and_ends_with_the_trace(tiny_pair):
     caller, _ = _caller()
-    updates = list(handlers.run(_server(tiny_pair), _values(decoding="greedy", max_new_tokens=8, measure=True),
-                                caller))
+    server = _server(tiny_pair)
+    updates = list(handlers.run(server, _values(decoding="greedy", max_new_tokens=8, measure=True), caller))
     for u in updates:
         assert set(u) <= set(app.SHOWN), set(u) - set(app.SHOWN)
     final = updates[-1]
     assert "speedup measured" in final["status"]
-    trace = final["trace"]
+    # the session's state holds a ticket, the same one through the whole stream; the trace is on the shelf
+    tickets = {u["trace"] for u in updates if "trace" in u}
+    assert len(tickets) == 1 and isinstance(final["trace"], Ticket)
+    trace = server.traces.get(final["trace"])
     assert isinstance(trace, Trace) and trace.meta["target_only"]["reused"] is False
     # the page's run is the engine's run: the same greedy output as the same settings decoded without the page
     cfg = Settings(decoding="greedy", max_new_tokens=8).spec(TEXT)
@@ -74,20 +78,21 @@ def test_stop_reaches_only_its_own_session(tiny_pair):
     assert handlers.stop(server, {}, other) == {}
     assert "Stopping" in handlers.stop(server, {}, caller)["status"]
     final = list(going)[-1]
-    assert final["trace"].meta["stopped"] is True and final["status"].count("Stopped") == 1
+    assert server.traces.get(final["trace"]).meta["stopped"] is True and final["status"].count("Stopped") == 1
 
 
 def test_compare_fills_the_compare_tab(tiny_pair):
     caller, messages = _caller()
-    updates = list(handlers.compare(_server(tiny_pair), _values(rounds=1, with_hf=False, max_new_tokens=6,
-                                                                decoding="greedy"), caller))
+    server = _server(tiny_pair)
+    updates = list(handlers.compare(server, _values(rounds=1, with_hf=False, max_new_tokens=6, decoding="greedy"),
+                                    caller))
     for u in updates:
         assert set(u) <= set(app.COMPARE_OUTPUTS)
     final = updates[-1]
     assert list(final["compare_table"]["run"]) == ["target-only", "baseline", "exact", "sigmoid"]
     assert set(final["compare_state"]) == {"target-only", "baseline", "exact", "sigmoid"}
     assert any("running exact" in m for m in messages)
-    opened = handlers.open_compared({"compare_state": final["compare_state"], "compare_pick": "sigmoid"})
+    opened = handlers.open_compared(server, {"compare_state": final["compare_state"], "compare_pick": "sigmoid"})
     assert set(opened) <= set(app.RESTORED) and opened["mode"] == "sigmoid"
 
 
@@ -95,25 +100,32 @@ def test_upload_restores_the_settings_or_says_why_not(tiny_pair, prompt_ids, tmp
     trace = decode(tiny_pair, [prompt_ids], SpecConfig(mode="baseline", max_new_tokens=6, seed=4))
     good = tmp_path / "good.json"
     trace.save(good)
-    opened = handlers.upload({"trace_upload": str(good)})
+    server = _server(tiny_pair)
+    opened = handlers.upload(server, {"trace_upload": str(good)})
     assert set(opened) <= set(app.RESTORED)
     assert set(settings.page_names()) <= set(opened)
     assert (opened["mode"], opened["seed"], opened["decoding"]) == ("baseline", 4, "greedy")
+    assert server.traces.get(opened["trace"]).outputs == trace.outputs
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema_version": 3, "steps": "many"}')
-    refused = handlers.upload({"trace_upload": str(bad)})
+    refused = handlers.upload(server, {"trace_upload": str(bad)})
     assert set(refused) == {"status"} and "TraceFormatError" in refused["status"]
-    assert handlers.upload({"trace_upload": None}) == {}
+    assert handlers.upload(server, {"trace_upload": None}) == {}
 
 
-def test_replay_and_why_take_malformed_input_quietly(tiny_pair, prompt_ids):
-    trace = decode(tiny_pair, [prompt_ids], SpecConfig(max_new_tokens=6))
-    assert handlers.replay({"trace": None, "replay": 3}) == {}
-    assert set(handlers.replay({"trace": trace, "replay": 1})) == set(app.VIEW)
+def test_replay_and_why_take_malformed_input_quietly(tiny_pair, prompt_ids, tmp_path):
+    server = _server(tiny_pair, TraceShelf(tmp_path / "shelf", 10**8))
+    ticket = server.traces.put(decode(tiny_pair, [prompt_ids], SpecConfig(max_new_tokens=6)), 1)
+    assert handlers.replay(server, {"trace": None, "replay": 3}) == {}
+    assert set(handlers.replay(server, {"trace": ticket, "replay": 1})) == set(app.VIEW)
     for picked in ("", "x,y,z", "1,2", None):
-        assert handlers.why({"trace": trace, "why_select": picked}) == {}
-    assert "sv-why" in handlers.why({"trace": trace, "why_select": "0,0,0,123"})["why_panel"]
-    assert handlers.why({"trace": None, "why_select": "0,0,0,1"}) == {}
+        assert handlers.why(server, {"trace": ticket, "why_select": picked}) == {}
+    assert "sv-why" in handlers.why(server, {"trace": ticket, "why_select": "0,0,0,123"})["why_panel"]
+    assert handlers.why(server, {"trace": None, "why_select": "0,0,0,1"}) == {}
+    # a ticket whose trace the shelf no longer keeps: said in the status line, nothing else changes
+    gone = Ticket("0" * 32)
+    assert set(handlers.replay(server, {"trace": gone, "replay": 1})) == {"status"}
+    assert "no longer held" in handlers.why(server, {"trace": gone, "why_select": "0,0,0,1"})["status"]
 
 
 def test_buttons_and_samples_update_only_their_outputs():

@@ -171,6 +171,11 @@ def test_export_is_complete_or_absent(trace, monkeypatch, tmp_path):
         page.export(trace)
     folders = list((tmp_path / "exports").iterdir())
     assert len(folders) == 3 and all([f.suffix for f in d.iterdir()] == [".json"] for d in folders)
+    # and the oldest beyond the size bound: room for two of these exports, plus the one being written
+    monkeypatch.setattr(page, "EXPORTS_KEPT", 64)
+    monkeypatch.setattr(page, "EXPORT_MB_KEPT", 2.5 * len(trace.to_json().encode()) / 1e6)
+    newest = [Path(page.export(trace)) for _ in range(4)]
+    assert sorted((tmp_path / "exports").iterdir()) == sorted(p.parent for p in newest[1:])
 
 
 def test_loads_refuses_what_cannot_be_written_back(trace):

@@ -1,0 +1,132 @@
+"""The traces the page's sessions are looking at, held once per server within a memory budget.
+
+A session's gr.State holds a Ticket; the trace itself is on the TraceShelf. Gradio keeps a session's state for
+an hour after its tab closes, and for good for an API client that never says goodbye, so traces kept in the
+state itself grew the server by ~80 MB per 50 MB upload, none of it given back. Here the least recently used
+traces beyond the budget are written to disk and dropped from memory; a later look reads them back (about a
+second for a 50 MB one). The folder keeps the newest `kept` files: a trace older than those is gone, and
+the page says so.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .trace import Trace, TraceFormatError
+
+MEMORY_ENV = "SPECVIZ_PAGE_TRACES_MB"
+DEFAULT_MEMORY_MB = 64  # dozens of ordinary traces (25 kB to a few MB each); one or two very large ones
+DEFAULT_KEPT = 256
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a session's state holds in place of its trace."""
+
+    key: str
+
+
+@dataclass
+class _Held:
+    trace: Trace
+    size: int  # bytes of its trace file (the budget's unit; in memory a trace takes ~1.5× that)
+    written: bool  # its file on disk is up to date: dropping it needs no write
+
+
+def json_size(trace: Trace) -> int:
+    """The size of a trace's file (Trace.save), for a trace not read from or written to one."""
+    return len(trace.to_json().encode("utf-8"))
+
+
+def default_shelf() -> "TraceShelf":
+    budget_mb = float(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_MB))
+    return TraceShelf(Path(tempfile.gettempdir()) / "specviz-traces", int(budget_mb * 1e6))
+
+
+class TraceShelf:
+    """Traces by ticket: in memory within `memory_bytes`, the rest in `folder` (the newest `kept` files).
+
+    Every handler thread of the page shares one shelf. The lock guards the table and is held while a trace
+    is written out, so a trace is always in memory or on disk, never between; reading one back happens
+    outside it (the slow part of a look at an evicted trace does not hold up other sessions).
+    """
+
+    def __init__(self, folder: Path, memory_bytes: int, kept: int = DEFAULT_KEPT):
+        self.folder, self.memory_bytes, self.kept = folder, memory_bytes, kept
+        self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+
+    def put(self, trace: Trace, size: int, ticket: Ticket | None = None) -> Ticket:
+        """Hold `trace` (a new ticket, or a new version of the trace behind `ticket`: a run still streaming)."""
+        ticket = ticket or Ticket(secrets.token_hex(16))
+        with self._lock:
+            self._held[ticket.key] = _Held(trace, size, written=False)
+            self._held.move_to_end(ticket.key)
+            self._evict(keep=ticket.key)
+        return ticket
+
+    def get(self, ticket: Ticket | None) -> Trace | None:
+        """The trace behind `ticket`; None when there is none, or it is no longer kept."""
+        if ticket is None:
+            return None
+        with self._lock:
+            held = self._held.get(ticket.key)
+            if held is not None:
+                self._held.move_to_end(ticket.key)
+                return held.trace
+        path = self._path(ticket)
+        try:
+            trace, size = Trace.load(path), path.stat().st_size
+        except (OSError, TraceFormatError):  # pruned, or (never by us) damaged: gone either way
+            return None
+        with self._lock:
+            if ticket.key not in self._held:  # another thread may have read it back or put a newer version
+                self._held[ticket.key] = _Held(trace, size, written=True)
+            self._held.move_to_end(ticket.key)
+            self._evict(keep=ticket.key)
+            return self._held[ticket.key].trace
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(h.size for h in self._held.values())
+
+    def _path(self, ticket: Ticket) -> Path:
+        return self.folder / f"{ticket.key}.json"
+
+    def _evict(self, keep: str) -> None:
+        """Drop the least recently used traces (but `keep`, the one just touched) until within budget."""
+        total, wrote = sum(h.size for h in self._held.values()), False
+        for key in list(self._held):
+            if total <= self.memory_bytes:
+                break
+            if key == keep:
+                continue
+            held = self._held[key]
+            if not held.written:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                held.trace.save(self._path(Ticket(key)))
+                wrote = True
+            del self._held[key]
+            total -= held.size
+        if wrote:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Delete the oldest files beyond `kept`. Other servers may share the folder and prune it too."""
+        files = sorted((m, p) for p in self.folder.glob("*.json") if (m := _mtime(p)) is not None)
+        for _, path in files[: max(0, len(files) - self.kept)]:
+            if path.stem not in self._held:
+                path.unlink(missing_ok=True)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed by another server since the listing
+        return None

@@ -3,9 +3,9 @@
 A session's gr.State holds a Ticket; the trace itself is on the TraceShelf. Gradio keeps a session's state for
 an hour after its tab closes, and for good for an API client that never says goodbye, so traces kept in the
 state itself grew the server by ~80 MB per 50 MB upload, none of it given back. Here the least recently used
-traces beyond the budget are written to disk and dropped from memory; a later look reads them back (about a
-second for a 50 MB one). The folder keeps the newest `kept` files: a trace older than those is gone, and
-the page says so.
+traces beyond the budget are written to disk and dropped from memory, and a trace larger than the whole
+budget is never held: every look reads it back (about a second for a 50 MB one). The folder keeps the newest
+`kept` files within `disk_bytes`: a trace older than those is gone, and the page says so.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .trace import Trace, TraceFormatError
 MEMORY_ENV = "SPECVIZ_PAGE_TRACES_MB"
 DEFAULT_MEMORY_MB = 64  # dozens of ordinary traces (25 kB to a few MB each); one or two very large ones
 DEFAULT_KEPT = 256
+DEFAULT_DISK_MB = 1000
 
 
 @dataclass(frozen=True)
@@ -46,19 +47,22 @@ def json_size(trace: Trace) -> int:
 
 def default_shelf() -> "TraceShelf":
     budget_mb = float(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_MB))
-    return TraceShelf(Path(tempfile.gettempdir()) / "specviz-traces", int(budget_mb * 1e6))
+    return TraceShelf(Path(tempfile.gettempdir()) / "specviz-traces", int(budget_mb * 1e6), DEFAULT_KEPT,
+                      int(DEFAULT_DISK_MB * 1e6))
 
 
 class TraceShelf:
-    """Traces by ticket: in memory within `memory_bytes`, the rest in `folder` (the newest `kept` files).
+    """Traces by ticket: in memory within `memory_bytes`, the rest in `folder` (the newest `kept` files, at
+    most `disk_bytes` in all).
 
     Every handler thread of the page shares one shelf. The lock guards the table and is held while a trace
     is written out, so a trace is always in memory or on disk, never between; reading one back happens
     outside it (the slow part of a look at an evicted trace does not hold up other sessions).
     """
 
-    def __init__(self, folder: Path, memory_bytes: int, kept: int = DEFAULT_KEPT):
-        self.folder, self.memory_bytes, self.kept = folder, memory_bytes, kept
+    def __init__(self, folder: Path, memory_bytes: int, kept: int = DEFAULT_KEPT,
+                 disk_bytes: int = int(DEFAULT_DISK_MB * 1e6)):
+        self.folder, self.memory_bytes, self.kept, self.disk_bytes = folder, memory_bytes, kept, disk_bytes
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
@@ -68,7 +72,7 @@ class TraceShelf:
         with self._lock:
             self._held[ticket.key] = _Held(trace, size, written=False)
             self._held.move_to_end(ticket.key)
-            self._evict(keep=ticket.key)
+            self._evict()
         return ticket
 
     def get(self, ticket: Ticket | None) -> Trace | None:
@@ -89,8 +93,9 @@ class TraceShelf:
             if ticket.key not in self._held:  # another thread may have read it back or put a newer version
                 self._held[ticket.key] = _Held(trace, size, written=True)
             self._held.move_to_end(ticket.key)
-            self._evict(keep=ticket.key)
-            return self._held[ticket.key].trace
+            trace = self._held[ticket.key].trace
+            self._evict()
+            return trace
 
     def held_bytes(self) -> int:
         with self._lock:
@@ -99,14 +104,13 @@ class TraceShelf:
     def _path(self, ticket: Ticket) -> Path:
         return self.folder / f"{ticket.key}.json"
 
-    def _evict(self, keep: str) -> None:
-        """Drop the least recently used traces (but `keep`, the one just touched) until within budget."""
+    def _evict(self) -> None:
+        """Drop the least recently used traces until within budget (the one just touched too, when it alone
+        is larger than the budget: its caller still holds it for this look)."""
         total, wrote = sum(h.size for h in self._held.values()), False
         for key in list(self._held):
             if total <= self.memory_bytes:
                 break
-            if key == keep:
-                continue
             held = self._held[key]
             if not held.written:
                 self.folder.mkdir(parents=True, exist_ok=True)
@@ -118,15 +122,22 @@ class TraceShelf:
             self._prune()
 
     def _prune(self) -> None:
-        """Delete the oldest files beyond `kept`. Other servers may share the folder and prune it too."""
-        files = sorted((m, p) for p in self.folder.glob("*.json") if (m := _mtime(p)) is not None)
-        for _, path in files[: max(0, len(files) - self.kept)]:
+        """Delete the oldest files beyond `kept` or `disk_bytes` (never one whose trace is held, as
+        written: dropping it later would not write it again). Other servers may share the folder and prune
+        it too."""
+        files = sorted(f for p in self.folder.glob("*.json") if (f := _stat(p)) is not None)
+        total = sum(size for _, size, _ in files)
+        for i, (_, size, path) in enumerate(files):
+            if len(files) - i <= self.kept and total <= self.disk_bytes:
+                break
             if path.stem not in self._held:
                 path.unlink(missing_ok=True)
+                total -= size
 
 
-def _mtime(path: Path) -> float | None:
+def _stat(path: Path) -> tuple[float, int, Path] | None:
     try:
-        return path.stat().st_mtime
+        st = path.stat()
     except OSError:  # removed by another server since the listing
         return None
+    return st.st_mtime, st.st_size, path

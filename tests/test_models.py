@@ -119,3 +119,22 @@ def test_a_sealed_directory_is_trusted_only_whole(tmp_path):
     assert damage(made, {"sha256": "a"}) is None
     (made / MARKER).write_text("{not json")
     assert damage(made, {"sha256": "a"}) == "its marker file is unreadable"
+
+
+def test_a_killed_conversions_work_dir_is_removed_by_the_next_start(tmp_path, monkeypatch):
+    """Work dirs are named by their process; the next start removes those of dead processes only (the
+    fault tests SIGKILL real conversions; this is the rule itself, for any converted name)."""
+    import subprocess
+    import sys
+
+    from specviz import cache
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".qwen2.5-coder-1.5b-instruct.partial-{int(done.stdout)}"
+    live = cache.work_dir("qwen2.5-coder-1.5b-instruct")
+    other = tmp_path / ".whisper-base.partial-1"  # another model's: not this name's to remove
+    for d in (dead, live, other):
+        (d / "gguf").mkdir(parents=True)
+    cache.remove_dead_work("qwen2.5-coder-1.5b-instruct")
+    assert not dead.exists() and live.exists() and other.exists()

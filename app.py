@@ -304,7 +304,7 @@ def _model_access(host: str, dirs: list[str] | None) -> sessions.ModelAccess:
     return sessions.ModelAccess(tuple(Path(d).expanduser().resolve() for d in (dirs or [str(cache_dir())])))
 
 
-SESSIONS_KEPT = 200  # beyond these, the least recently active sessions start afresh (an exported trace reloads)
+SESSIONS_KEPT = 64  # beyond these, the least recently active sessions start afresh (an exported trace reloads)
 
 
 def main() -> None:
@@ -317,7 +317,7 @@ def main() -> None:
     args = parser.parse_args()
     demo = build(sessions.ModelCache(access=_model_access(args.host, args.models_dir)))
     # allowed_paths: the sample clip is served from the assets folder wherever the app is started from
-    # state_session_capacity: Gradio keeps a copy of the page's component state for each session (~0.5 MB
+    # state_session_capacity: Gradio keeps a copy of the page's component state for each session (~0.9 MB
     # here) until it has seen this many newer ones; an API client's sessions never close.
     demo.queue(default_concurrency_limit=4).launch(server_name=args.host, server_port=args.port, css=CSS, js=CLICK_JS,
                                                    show_error=True, max_file_size=MAX_UPLOAD,

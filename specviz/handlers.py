@@ -18,6 +18,7 @@ import gradio as gr
 import pandas as pd
 
 from . import page, sessions
+from .memory import release_freed_memory
 from .shelf import Ticket, TraceShelf, json_size
 from .compare import Row
 from .eval_data import BUNDLED_SPEECH, BUNDLED_TEXT, describe, load_examples
@@ -225,16 +226,17 @@ def upload(server: Server, values: Values) -> Updates:
     if file is None:
         return {}
     path = file if isinstance(file, str) else file.name
+    trace = None
     try:
         trace = Trace.load(path)
         views(trace)  # a trace that loads but cannot be drawn is refused too
+        return opened(server, trace, f"Loaded trace {html.escape(Path(path).name)} ({len(trace.steps)} iterations; no "
+                                     "model was run; its settings are restored).")
     except (TraceFormatError, OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
-        return {"status": error(e)}
-    try:
-        return opened(server, trace, f"Loaded trace {html.escape(Path(path).name)} ({len(trace.steps)} iterations; no model "
-                             f"was run; its settings are restored).")
-    except OSError as e:  # its export could not be written (a full disk): said, the page stays usable
-        return {"status": error(e)}
+        return {"status": error(e)}  # unreadable, undrawable, or its export could not be written (a full disk)
+    finally:
+        trace = None  # the shelf keeps it if it fits the budget; what reading it took goes back to the OS
+        release_freed_memory()
 
 
 def open_compared(server: Server, values: Values) -> Updates:

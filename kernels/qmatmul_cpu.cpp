@@ -257,6 +257,160 @@ void run(const float* xp, int64_t M, int64_t K, int64_t N, const float* bias, fl
     matmul(xp, M, K, N, bias, y, nthreads, f);
 }
 
+#ifdef SPECVIZ_AVX2
+// ---- 8-bit activations (opt-in): integer dot products within each group of 32 ----------------------------
+// Each row of x is quantized on its own, per group of 32 elements along K (the weights' groups):
+// d = max|x| / 127, code = round(x / d) in -127..127. A row's codes and scales depend on that row alone, so
+// batch invariance holds as with fp32 activations. Within a group the products are summed exactly in
+// integers (vpmaddubsw: 32 multiply-adds per instruction, 4× an fp32 FMA's 8); the groups are accumulated
+// in fp32 in a fixed order. q4's subtracted minimum multiplies the group's exact fp32 sum of x, so only the
+// q·x part carries the activation rounding. A NaN or infinity in a group makes its outputs NaN, as fp32 would.
+
+struct Act {                 // one call's activations, quantized
+    std::vector<int8_t> q;   // [M, K] codes, in the weight format's order within each block
+    std::vector<float> d;    // [M, K/32] the groups' scales
+    std::vector<float> sum;  // [M, K/32] the groups' fp32 sums of x (q4's minimum term)
+    std::vector<float> dv;   // q4 only: [M, K/64, 8] a block's scale lanes (0-3: its first group, 4-7: its second)
+};
+
+// q4 blocks of 64 hold element 2i in byte i's low nibble and 2i + 1 in its high nibble: codes go in that
+// order (the 32 even elements, then the 32 odd ones), so one and / one shift-and unpack a block.
+void quantize(const float* x, int64_t M, int64_t K, bool q4_order, int nthreads, Act& a) {
+    const int64_t G = K / 32;
+    a.q.resize(M * K);
+    a.d.resize(M * G);
+    a.sum.resize(M * G);
+    if (q4_order) a.dv.resize(M * (K / 64) * 8);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+            const float* v = x + r * K + g * 32;
+            float amax = 0.0f, s = 0.0f;
+            for (int i = 0; i < 32; ++i) {
+                amax = amax > __builtin_fabsf(v[i]) ? amax : __builtin_fabsf(v[i]);
+                s += v[i];
+            }
+            const bool finite = __builtin_isfinite(s) && __builtin_isfinite(amax);
+            const float d = finite ? amax / 127.0f : __builtin_nanf("");
+            const float inv = finite && d > 0.0f ? 1.0f / d : 0.0f;
+            a.d[r * G + g] = d;
+            a.sum[r * G + g] = finite ? s : __builtin_nanf("");
+            for (int i = 0; i < 32; ++i) {
+                const int64_t e = g * 32 + i;  // element along K
+                const int64_t at = q4_order ? (e / 64) * 64 + (e % 2) * 32 + (e % 64) / 2 : e;
+                float c = __builtin_nearbyintf(v[i] * inv);
+                c = c > 127.0f ? 127.0f : (c < -127.0f ? -127.0f : c);
+                a.q[r * K + at] = static_cast<int8_t>(finite ? c : 0.0f);
+            }
+        }
+    if (q4_order)
+        for (int64_t r = 0; r < M; ++r)
+            for (int64_t b = 0; b < K / 64; ++b)
+                for (int l = 0; l < 8; ++l) a.dv[(r * (K / 64) + b) * 8 + l] = a.d[r * G + 2 * b + l / 4];
+}
+
+constexpr int A8_NB = 4;  // columns per tile: their weights stay in L1 while every row tile reads them
+constexpr int A8_MT = 2;  // rows per tile
+
+// The minimum term of q4, Σ_g minv[g] · sum[g], in a fixed order.
+inline float min_term(const float* minv, const float* sum, int64_t G) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(minv + g), _mm256_loadu_ps(sum + g), acc);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    float tail = 0.0f;
+    for (; g < G; ++g) tail = __builtin_fmaf(minv[g], sum[g], tail);
+    return reduce(lanes) + tail;
+}
+
+template <int MT>
+void q4a8_tile(const Q4Format& f, const Act& a, int64_t m0, int64_t n0, int nb, int64_t N, const float* bias,
+               float* y) {
+    const int64_t K = f.K, G = K / 32;
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[MT][A8_NB];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < A8_NB; ++n) acc[m][n] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K; b += 64) {
+        __m256 sx[MT];
+        for (int m = 0; m < MT; ++m) sx[m] = _mm256_loadu_ps(a.dv.data() + ((m0 + m) * (K / 64) + b / 64) * 8);
+        for (int n = 0; n < nb; ++n) {
+            const uint8_t* wp = f.q + ((n0 + n) * K + b) / 2;
+            _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH / 2, _MM_HINT_T0);
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+            const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+            const float* sc = f.scale + (n0 + n) * G + b / 32;
+            const __m256 sw = _mm256_set_m128(_mm_set1_ps(sc[1]), _mm_set1_ps(sc[0]));
+            for (int m = 0; m < MT; ++m) {
+                const int8_t* xq = a.q.data() + (m0 + m) * K + b;
+                // |15 · 127| · 2 per pair and two pairs summed: 7,620, far inside int16
+                const __m256i p16 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32))));
+                const __m256i p = _mm256_madd_epi16(p16, ones);
+                acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, sx[m]), acc[m][n]);
+            }
+        }
+    }
+    alignas(32) float lanes[8];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < nb; ++n) {
+            _mm256_store_ps(lanes, acc[m][n]);
+            const float mins = min_term(f.minv + (n0 + n) * G, a.sum.data() + (m0 + m) * G, G);
+            y[(m0 + m) * N + n0 + n] = (reduce(lanes) - mins) + (bias ? bias[n0 + n] : 0.0f);
+        }
+}
+
+template <int MT, int64_t GROUP>
+void q8a8_tile(const Q8Format<GROUP>& f, const Act& a, int64_t m0, int64_t n0, int nb, int64_t N, const float* bias,
+               float* y) {
+    const int64_t K = f.K, G = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT][A8_NB];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < A8_NB; ++n) acc[m][n] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K; b += 32) {
+        __m256 sx[MT];
+        for (int m = 0; m < MT; ++m) sx[m] = _mm256_set1_ps(a.d[(m0 + m) * G + b / 32]);
+        for (int n = 0; n < nb; ++n) {
+            const int8_t* wp = f.q + (n0 + n) * K + b;
+            _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH, _MM_HINT_T0);
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+            const __m256i wabs = _mm256_sign_epi8(w, w);  // unsigned |w| for vpmaddubsw; w's sign moves to x
+            const float* row = f.scale + (n0 + n) * (K / GROUP);
+            const __m256 sw = GROUP == 16 ? _mm256_set_m128(_mm_set1_ps(row[(b + 16) / 16]), _mm_set1_ps(row[b / 16]))
+                                          : _mm256_set1_ps(row[b / GROUP]);
+            for (int m = 0; m < MT; ++m) {
+                const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * K + b));
+                // |w| ≤ 128, |x| ≤ 127: a pair sums to ≤ 32,512, inside int16
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, w)), ones);
+                acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, sx[m]), acc[m][n]);
+            }
+        }
+    }
+    alignas(32) float lanes[8];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < nb; ++n) {
+            _mm256_store_ps(lanes, acc[m][n]);
+            y[(m0 + m) * N + n0 + n] = reduce(lanes) + (bias ? bias[n0 + n] : 0.0f);
+        }
+}
+
+// Threads split the columns; within a column tile, rows go two at a time (the odd row alone: the same
+// operations for it either way).
+template <typename Tile2, typename Tile1>
+void a8_matmul(int64_t M, int64_t N, int nthreads, Tile2 tile2, Tile1 tile1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += A8_NB) {
+        const int nb = N - n0 < A8_NB ? static_cast<int>(N - n0) : A8_NB;
+        int64_t m = 0;
+        for (; m + A8_MT <= M; m += A8_MT) tile2(m, n0, nb);
+        if (m < M) tile1(m, n0, nb);
+    }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -289,6 +443,42 @@ void specviz_q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, co
     if (group == 16) run(xp.data(), M, K, N, bias, y, nthreads, Q8Format<16>{q, scale, K});
     else run(xp.data(), M, K, N, bias, y, nthreads, Q8Format<32>{q, scale, K});
 }
+
+int specviz_has_a8() {
+#ifdef SPECVIZ_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef SPECVIZ_AVX2
+// 8-bit activations: as specviz_q4_matmul / specviz_q8_matmul (same arguments), x quantized per row and group
+// of 32 inside the call. Only where specviz_has_a8().
+void specviz_q4a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
+                         const float* minv, int64_t N, const float* bias, float* y, int nthreads) {
+    Act a;
+    quantize(x, M, K, true, nthreads, a);
+    const Q4Format f{q, scale, minv, K};
+    a8_matmul(M, N, nthreads, [&](int64_t m, int64_t n0, int nb) { q4a8_tile<2>(f, a, m, n0, nb, N, bias, y); },
+              [&](int64_t m, int64_t n0, int nb) { q4a8_tile<1>(f, a, m, n0, nb, N, bias, y); });
+}
+
+void specviz_q8a8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t group,
+                         int64_t N, const float* bias, float* y, int nthreads) {
+    Act a;
+    quantize(x, M, K, false, nthreads, a);
+    if (group == 16) {
+        const Q8Format<16> f{q, scale, K};
+        a8_matmul(M, N, nthreads, [&](int64_t m, int64_t n0, int nb) { q8a8_tile<2>(f, a, m, n0, nb, N, bias, y); },
+                  [&](int64_t m, int64_t n0, int nb) { q8a8_tile<1>(f, a, m, n0, nb, N, bias, y); });
+    } else {
+        const Q8Format<32> f{q, scale, K};
+        a8_matmul(M, N, nthreads, [&](int64_t m, int64_t n0, int nb) { q8a8_tile<2>(f, a, m, n0, nb, N, bias, y); },
+                  [&](int64_t m, int64_t n0, int nb) { q8a8_tile<1>(f, a, m, n0, nb, N, bias, y); });
+    }
+}
+#endif
 
 // The dense fp32 weight out [N, K] in natural order (to check the packing; BLAS never needs it).
 void specviz_q4_dequant(const uint8_t* q, const float* scale, const float* minv, int64_t N, int64_t K, float* out) {

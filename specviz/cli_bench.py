@@ -215,7 +215,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bb.set_defaults(func=cmd_bench_batch)
     bs = sub.add_parser("bench-steps", help="a model call's cost by weights format: prefill and a step scoring M tokens")
     common.add_common(bs)
-    bs.add_argument("--weights-list", nargs="+", default=["packed", "dense"], choices=["packed", "dense"])
+    bs.add_argument("--weights-list", nargs="+", default=["packed", "packed-a8", "dense"],
+                    choices=["packed", "packed-a8", "dense"])
     bs.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16])
     bs.add_argument("--repeat", type=int, default=5)
     bs.add_argument("--json", metavar="FILE")

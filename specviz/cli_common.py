@@ -64,7 +64,10 @@ def add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     m.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="text models on the CPU: 'packed' multiplies straight from a GGUF model's quantized blocks "
                    "(specviz's CPU kernel; fp32 activations), 'dense' uses the dequantized fp32 weights (the same "
-                   "model, ~5× the memory traffic per step); auto: packed wherever the model comes from a GGUF file")
+                   "model, ~5× the memory traffic per step), 'packed-a8' the same blocks times 8-bit activations "
+                   "quantized per row (integer dot products, as llama.cpp runs the file: a slightly different "
+                   "target, still batch-invariant); auto: packed-a8 (packed without AVX2) wherever the model comes from a "
+                   "GGUF file")
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     m.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="int8 draft weights (default: on for the CPU, where its step is the fastest measured; "

@@ -1,4 +1,5 @@
-"""The CPU matmul kernels of kernels/qmatmul_cpu.cpp: built once per machine, called through ctypes.
+"""The CPU kernels (kernels/qmatmul_cpu.cpp, kernels/attention_cpu.cpp): built once per machine into one
+library, called through ctypes.
 
 Built with the system's C++ compiler, -O3 -march=native and OpenMP, into the model cache (keyed by the
 source, the compiler and the CPU), so each machine gets code for its own instruction set; later processes
@@ -21,7 +22,7 @@ import torch
 
 from .cache import cache_dir
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "qmatmul_cpu.cpp"
+SOURCES = [Path(__file__).resolve().parents[1] / "kernels" / name for name in ("qmatmul_cpu.cpp", "attention_cpu.cpp")]
 
 
 class KernelBuildError(RuntimeError):
@@ -49,7 +50,7 @@ def _compiler() -> str:
 def _build(out: Path) -> None:
     cxx = _compiler()
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", str(SOURCE), "-o", str(tmp)]
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", *map(str, SOURCES), "-o", str(tmp)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -77,7 +78,8 @@ def library() -> ctypes.CDLL:
             version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
         except OSError as e:
             raise KernelBuildError(f"cannot run the C++ compiler: {e}") from e
-        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
+        sources = b"".join(path.read_bytes() for path in SOURCES)
+        key = hashlib.sha256(sources + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"qmatmul-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +90,16 @@ def library() -> ctypes.CDLL:
         lib.specviz_q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, cint]
         lib.specviz_q4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
         lib.specviz_q8_dequant.argtypes = [ptr, ptr, i64, i64, i64, ptr]
-        for f in (lib.specviz_q4_matmul, lib.specviz_q8_matmul, lib.specviz_q4_dequant, lib.specviz_q8_dequant):
+        functions = [lib.specviz_q4_matmul, lib.specviz_q8_matmul, lib.specviz_q4_dequant, lib.specviz_q8_dequant]
+        if lib.specviz_has_attention():
+            lib.specviz_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                                              cint]
+            functions.append(lib.specviz_attention)
+        if lib.specviz_has_a8():
+            lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
+            lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
+            functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul]
+        for f in functions:
             f.restype = None
         _max_rows = lib.specviz_max_rows()
         _library = lib
@@ -114,30 +125,40 @@ def vectorized() -> bool:
     return bool(library().specviz_has_avx2())
 
 
+def has_int8_activations() -> bool:
+    """Whether the build has the 8-bit-activation kernels (they need AVX2)."""
+    return bool(library().specviz_has_a8())
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 def q4_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+              bias: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
     """x [M, K] fp32 contiguous (M <= max_rows(), K a multiple of 64), q [N, K/2] uint8, scale/minv [N, K/32]
-    fp32, bias [N] fp32 or None -> y [M, N]."""
+    fp32, bias [N] fp32 or None -> y [M, N]. int8_activations: x quantized per row and group of 32 first."""
     M, K = x.shape
     N = q.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)
-    library().specviz_q4_matmul(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), minv.data_ptr(), N, _ptr(bias),
-                                y.data_ptr(), torch.get_num_threads())
+    lib = library()
+    kernel = lib.specviz_q4a8_matmul if int8_activations else lib.specviz_q4_matmul
+    kernel(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), minv.data_ptr(), N, _ptr(bias), y.data_ptr(),
+           torch.get_num_threads())
     return y
 
 
-def q8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+              int8_activations: bool = False) -> torch.Tensor:
     """x [M, K] fp32 contiguous (M <= max_rows(), K a multiple of 32), q [N, K] int8, scale [N, K/G] fp32
-    (G = 16 or 32), bias [N] fp32 or None -> y [M, N]."""
+    (G = 16 or 32), bias [N] fp32 or None -> y [M, N]. int8_activations: as in q4_matmul."""
     M, K = x.shape
     N = q.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)
-    library().specviz_q8_matmul(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), K // scale.shape[1], N,
-                                _ptr(bias), y.data_ptr(), torch.get_num_threads())
+    lib = library()
+    kernel = lib.specviz_q8a8_matmul if int8_activations else lib.specviz_q8_matmul
+    kernel(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), K // scale.shape[1], N, _ptr(bias), y.data_ptr(),
+           torch.get_num_threads())
     return y
 
 
@@ -154,4 +175,20 @@ def q8_dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     N, K = q.shape
     out = torch.empty((N, K), dtype=torch.float32)
     library().specviz_q8_dequant(q.data_ptr(), scale.data_ptr(), K // scale.shape[1], N, K, out.data_ptr())
+    return out
+
+
+def has_attention() -> bool:
+    """Whether the build has the batch-invariant attention kernel (it needs AVX2)."""
+    return bool(library().specviz_has_attention())
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, L, D], k and v [B, Hkv, S, D] fp32 contiguous (H a multiple of Hkv, D of 8), sees [B, L, S] uint8
+    (1: row i attends to key j) -> out [B, L, H, D]: each row over exactly its keys, in order (batch-invariant)."""
+    B, H, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    out = torch.empty((B, L, H, D), dtype=torch.float32)
+    library().specviz_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), sees.data_ptr(), B, H, Hkv, L, S, D, scale,
+                                out.data_ptr(), torch.get_num_threads())
     return out

@@ -5,9 +5,14 @@ each file, checks its sha256, dequantizes it with transformers and saves fp32 sa
 directory, beside the GGUF's own blocks packed for the CPU kernels (specviz.packed); later loads read that
 cache in seconds.
 
-Weights on the CPU (`weights`): "packed" multiplies straight from the GGUF blocks (the default wherever the
-model comes from a GGUF file: about 5× less memory traffic per step), "dense" uses the dequantized fp32
-tensors. Both are the same model (the packed weights are checked against the dense ones).
+Weights on the CPU (`weights`): "packed" multiplies straight from the GGUF blocks (about 5× less memory
+traffic per step than "dense", the dequantized fp32 tensors; the same model: the packed weights are checked
+against the dense ones); "packed-a8" multiplies the same blocks by 8-bit activations quantized per row
+(llama.cpp's way: integer dot products, a slightly different target, named in the trace); "auto" is
+packed-a8 wherever the model comes from a GGUF file and the kernels build with AVX2 (packed without it):
+a 1.3× faster step and a 1.5× faster prefill than fp32 activations on the 2-core CPU measured, with 97% of
+the fp32 target's greedy tokens (docs/benchmarks.md). Chosen by instruction set, not by a timing, so one
+machine always runs the same target.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from .quant import quantize_draft_int8
 Progress = Callable[[str, "float | None"], None]
 
 DEFAULT = "default"
-WEIGHTS = ("auto", "packed", "dense")
+WEIGHTS = ("auto", "packed", "packed-a8", "dense")
 
 
 class ModelLoadError(RuntimeError):
@@ -232,14 +237,14 @@ def _resolve(name: str, role: str) -> tuple[str | Path, dict]:
 
 
 def use_packed(weights: str, packable: bool, role: str, progress: Progress = _silent) -> bool:
-    """Whether a model that can run on packed weights (`packable`) does: asked for ("packed") or by default
-    ("auto") where the CPU kernels build here; "auto" falls back to dense weights, saying why."""
+    """Whether a model that can run on packed weights (`packable`) does: asked for ("packed", "packed-a8") or
+    by default ("auto") where the CPU kernels build here; "auto" falls back to dense weights, saying why."""
     if weights == "dense" or not packable:
         return False
     try:
         cpu_kernels.library()
     except cpu_kernels.KernelBuildError as e:
-        if weights == "packed":
+        if weights != "auto":
             raise ModelLoadError(f"packed weights need specviz's CPU kernels, which could not be built here: {e}") from e
         progress(f"the CPU kernels could not be built ({e}); the {role} model runs on dense fp32 weights", None)
         return False
@@ -252,15 +257,15 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """Load one causal LM and its tokenizer; `role` ('draft' or 'target') is for messages only.
 
-    weights: "dense", "packed" (GGUF sources on the CPU in fp32 only; refused otherwise) or "auto" (packed
-    where it can be)."""
+    weights: "dense", "packed" or "packed-a8" (GGUF sources on the CPU in fp32 only; refused otherwise) or
+    "auto" (packed-a8, else packed, where it can be)."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHTS)}")
     source, extra = _resolve(name, role)
     label = str(source)
     gguf = source in EMBEDDED or "gguf_file" in extra
     packable = gguf and device.type == "cpu" and dtype == torch.float32
-    if weights == "packed" and not packable:
+    if weights.startswith("packed") and not packable:
         raise ModelLoadError(f"packed weights need a GGUF {role} model on the CPU in fp32; {label!r} is "
                              f"{'a GGUF file' if gguf else 'not a GGUF file'} on {device.type} in "
                              f"{str(dtype).removeprefix('torch.')} (use dense weights)")
@@ -286,7 +291,8 @@ def load_model(
             elif (blocks := load_packed(Path(source) / PACKED_FILE)) is None:
                 raise ModelLoadError(f"the packed blocks of {label!r} in {source} are missing or unreadable; "
                                      "delete that directory to convert the model again")
-            apply_packed(model, blocks)
+            a8 = weights == "packed-a8" or (weights == "auto" and cpu_kernels.has_int8_activations())
+            apply_packed(model, blocks, int8_activations=a8)
     except ModelLoadError:
         raise
     except PackingError as e:

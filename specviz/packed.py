@@ -6,12 +6,16 @@ transformers model loaded from it, and `apply_packed` swaps those layers for Pac
 straight from the blocks (kernels/qmatmul_cpu.cpp); norms,
 embeddings, attention and biases stay as they were, in fp32.
 
-Contract — the same target, batch-invariant:
+Contract — a stated target, batch-invariant:
 - Each packed weight is checked against the dense weight transformers dequantized from the same file before
-  it is used (equal up to the last fp32 rounding), so the packed target and `--weights dense` are one model.
-- A position's logits do not depend on what else is scored in the same call: activations are never
-  quantized (no per-call scales), and the kernel computes every output row with the same operations in the
-  same order whatever the number of rows (bitwise; tested), prefill included.
+  it is used (equal up to the last fp32 rounding). With fp32 activations (`--weights packed`) the packed
+  target and `--weights dense` are one model.
+- With 8-bit activations (`--weights packed-a8`, llama.cpp's way of running the same file) each row of a
+  layer's input is quantized on its own, per group of 32 (scale = max|x| / 127): a different target from
+  the dense one (its logits measured against it in docs/benchmarks.md), named in every trace.
+- Either way a position's logits do not depend on what else is scored in the same call: never a per-call
+  activation scale, and the kernel computes every output row with the same operations in the same order
+  whatever the number of rows (bitwise; tested), prefill included.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_attention, cpu_kernels
 from .gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
 
 FORMAT_VERSION = 2  # bump whenever the kernels read the packed bytes differently (v1: another nibble order)
@@ -41,11 +45,12 @@ _LAYER_NAMES = {
 
 
 class PackedLinear(nn.Module):
-    """y = x · Wᵀ + b with W packed; a drop-in nn.Linear for fp32 activations on the CPU."""
+    """y = x · Wᵀ + b with W packed; a drop-in nn.Linear for fp32 inputs on the CPU, which the kernel
+    multiplies as they are or, with int8_activations, quantized per row and group of 32."""
 
-    def __init__(self, packed: Packed, bias: torch.Tensor | None):
+    def __init__(self, packed: Packed, bias: torch.Tensor | None, int8_activations: bool = False):
         super().__init__()
-        self.kind, self.source = packed.kind, packed.source
+        self.kind, self.source, self.int8_activations = packed.kind, packed.source, int8_activations
         self.out_features, self.in_features = packed.shape
         self.register_buffer("q", packed.q, persistent=False)
         self.register_buffer("scale", packed.scale, persistent=False)
@@ -63,8 +68,8 @@ class PackedLinear(nn.Module):
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:  # rows [M, K] fp32 contiguous -> [M, N]
         if self.kind == "q4":
-            return cpu_kernels.q4_matmul(rows, self.q, self.scale, self.minv, self.bias)
-        return cpu_kernels.q8_matmul(rows, self.q, self.scale, self.bias)
+            return cpu_kernels.q4_matmul(rows, self.q, self.scale, self.minv, self.bias, self.int8_activations)
+        return cpu_kernels.q8_matmul(rows, self.q, self.scale, self.bias, self.int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
@@ -79,10 +84,12 @@ class PackedLinear(nn.Module):
         """A PackedLinear computing only outputs `ids` (LongTensor [K]); the rows keep their own scales."""
         sub = Packed(self.kind, self.q.index_select(0, ids), self.scale.index_select(0, ids),
                      None if self.minv is None else self.minv.index_select(0, ids), self.source)
-        return PackedLinear(sub, None if self.bias is None else self.bias.index_select(0, ids))
+        return PackedLinear(sub, None if self.bias is None else self.bias.index_select(0, ids), self.int8_activations)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} from {self.source}"
+        activations = "int8" if self.int8_activations else "fp32"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} from {self.source}, "
+                f"{activations} activations")
 
 
 class PackingError(ValueError):
@@ -184,8 +191,10 @@ def load_packed(path: Path) -> dict[str, Packed] | None:
             for name, (kind, source) in meta["kinds"].items()}
 
 
-def apply_packed(model: nn.Module, packed: dict[str, Packed]) -> nn.Module:
+def apply_packed(model: nn.Module, packed: dict[str, Packed], int8_activations: bool = False) -> nn.Module:
     """Replace model's linear layers by PackedLinear, in place; the dense weights they held are released."""
+    if int8_activations and not cpu_kernels.has_int8_activations():
+        raise PackingError("8-bit activations need the AVX2 build of the CPU kernels, which this machine lacks")
     linears = _linear_names(model)
     missing = linears.keys() - packed.keys()
     if missing:
@@ -194,16 +203,21 @@ def apply_packed(model: nn.Module, packed: dict[str, Packed]) -> nn.Module:
     for name, linear in linears.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(packed[name], linear.bias))
+        setattr(parent, child, PackedLinear(packed[name], linear.bias, int8_activations))
     if tied:  # the input embedding keeps its own dense weight; the head no longer shares it
         model.config.tie_word_embeddings = False
+    cpu_attention.use(model)  # the rest of the forward batch-invariant too, bit for bit (cpu_attention)
     return model
 
 
 def describe(model: nn.Module) -> str:
     """What the model's linear layers run on, e.g. 'GGUF Q4_K/Q6_K blocks, specviz avx2 kernel'."""
-    sources = sorted({m.source for m in model.modules() if isinstance(m, PackedLinear)})
-    if not sources:
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not layers:
         return f"dense {str(next(model.parameters()).dtype).removeprefix('torch.')}"
+    sources = sorted({m.source for m in layers})
     isa = "avx2" if cpu_kernels.vectorized() else "portable"
-    return f"GGUF {'/'.join(sources)} blocks, specviz {isa} kernel, fp32 activations"
+    activations = "int8 activations (per row, groups of 32)" if layers[0].int8_activations else "fp32 activations"
+    attention = "batch-invariant attention" if model.config._attn_implementation == cpu_attention.NAME else \
+        f"{model.config._attn_implementation} attention"
+    return f"GGUF {'/'.join(sources)} blocks, specviz {isa} kernel, {activations}, {attention}"

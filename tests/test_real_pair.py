@@ -80,29 +80,39 @@ def test_article_cannot_speak_as_the_system(pair):
     assert "<|im_start|>system" in tok.decode(hostile)  # the text is still there, as text
 
 
-def test_the_packed_target_is_the_dense_target(pair, prompt):
-    """The default CPU target multiplies from the GGUF blocks; the dequantized fp32 target is the same model
-    (logits equal up to float rounding, the same greedy choice at every position)."""
+def test_the_packed_target_is_the_dense_target_and_the_default_stays_near_it(pair, prompt):
+    """With fp32 activations the packed target is the dequantized fp32 target (logits equal up to float
+    rounding, the same greedy choice everywhere). The default runs the same blocks with 8-bit activations:
+    another target, within a stated distance of it (97% of greedy tokens over the sample's 501 positions
+    in docs/benchmarks.md; here ≥ 90% of 64 positions, logits within 5% in norm at the median)."""
     import torch
 
     from specviz.models import load_model
 
+    cpu = torch.device("cpu")
     assert pair.target_weights.startswith("GGUF") and "Q4_K" in pair.target_weights
-    dense, _, _ = load_model("default", "target", device=torch.device("cpu"), dtype=torch.float32, weights="dense")
+    dense, _, _ = load_model("default", "target", device=cpu, dtype=torch.float32, weights="dense")
+    packed, _, _ = load_model("default", "target", device=cpu, dtype=torch.float32, weights="packed")
     ids = torch.tensor([prompt[:64]])
     with torch.inference_mode():
         a = dense(ids).logits[0]
-        b = pair.target(ids).logits[0]
+        b = packed(ids).logits[0]
+        c = pair.target(ids).logits[0]
     diff = (a - b).abs().max().item()
     print(f"packed vs dense target: max |Δlogit| {diff:.2e} over 64 positions")
     assert diff < 1e-2
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+    if "int8 activations" in pair.target_weights:
+        agree = (a.argmax(-1) == c.argmax(-1)).float().mean().item()
+        relative = ((c - a).norm(dim=-1) / a.norm(dim=-1)).median().item()
+        print(f"8-bit activations vs dense: greedy agreement {agree:.1%}, median relative Δlogits {relative:.2%}")
+        assert agree >= 0.9 and relative < 0.05
 
 
 def test_a_positions_logits_do_not_depend_on_the_tokens_scored_with_it(pair, prompt):
-    """Batch invariance on the real packed target: the logits of one position scored alone and scored among
-    8 tokens (as verification scores γ + 1). The linear layers are bitwise invariant; attention over 1 vs 8
-    queries may round differently, so the bound is float rounding, and the difference is printed."""
+    """Batch invariance on the real target, bit for bit: the logits of one position scored alone and scored
+    among 8 tokens (as verification scores γ + 1). The packed linear layers and the CPU attention are both
+    batch-invariant (specviz.packed, specviz.cpu_attention)."""
     import torch
 
     from specviz.text import CausalLMDecoder
@@ -119,5 +129,4 @@ def test_a_positions_logits_do_not_depend_on_the_tokens_scored_with_it(pair, pro
         alone = torch.stack(alone)
     diff = (together - alone).abs().max().item()
     print(f"one position scored alone vs among 8: max |Δlogit| {diff:.2e}")
-    assert diff < 1e-3
-    assert torch.equal(together.argmax(-1), alone.argmax(-1))
+    assert torch.equal(together, alone)

@@ -1,0 +1,131 @@
+// Batch-invariant attention for the CPU: out[b, i, h] = softmax_j(scale · q[b, h, i] · k[b, h', j]) · v[b, h', j]
+// over exactly the keys j that the mask lets row i see, in increasing j, whatever else is in the call.
+//
+// torch's scaled_dot_product_attention blocks queries and keys by the call's lengths, so a position's output
+// moved by ~1e-6 between a call over 12 positions and one over 20: harmless for fp32 logits, but enough for
+// 8-bit activations (specviz.packed) to round a code the other way. Here each (sequence, head, row) is one
+// task that walks its own keys in order: the same operations for a row in a prefill, in a verification call
+// of γ + 1 rows beside other sequences, or alone; only the set of keys it may see (the mask) decides.
+//
+// Layouts (contiguous fp32): q [B, H, L, D], k and v [B, Hkv, S, D] (H a multiple of Hkv: grouped queries
+// share a key head), mask [B, L, S] uint8 (1: row i sees key j), out [B, L, H, D]. D a multiple of 8.
+// Built with qmatmul_cpu.cpp into one library (specviz.cpu_kernels).
+
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECVIZ_ATTENTION_AVX2 1
+#endif
+
+namespace {
+
+#ifdef SPECVIZ_ATTENTION_AVX2
+inline float lanes_sum(__m256 v) {  // a fixed-order reduction of 8 lanes
+    alignas(32) float l[8];
+    _mm256_store_ps(l, v);
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// e^x for x <= 0 (scores minus their maximum), Cephes' single-precision method: x = n ln2 + r, e^r by a
+// degree-6 polynomial, 2^n in the exponent bits. Plain arithmetic, so the same bits on every call.
+inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// One row i of sequence b for the G query heads [h0, h0 + G) that share key head kh.
+void row(const float* q, const float* k, const float* v, const int32_t* keys, int64_t n, int64_t b, int64_t h0,
+         int64_t G, int64_t kh, int64_t i, int64_t H, int64_t Hkv, int64_t L, int64_t S, int64_t D, float scale,
+         float* out, float* scores) {
+    const int64_t padded = (n + 7) / 8 * 8;
+    for (int64_t g = 0; g < G; ++g) {
+        const float* qi = q + ((b * H + h0 + g) * L + i) * D;
+        float* s = scores + g * padded;
+        for (int64_t t = 0; t < n; ++t) {
+            const float* kj = k + ((b * Hkv + kh) * S + keys[t]) * D;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kj + d), acc);
+            s[t] = lanes_sum(acc) * scale;
+        }
+        float m = s[0];
+        for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
+        for (int64_t t = n; t < padded; ++t) s[t] = m;  // padding lanes: exp(0), masked out of the sum below
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 8) {
+            __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m)));
+            if (t + 8 > n) {
+                alignas(32) int32_t keep[8];
+                for (int l = 0; l < 8; ++l) keep[l] = t + l < n ? -1 : 0;
+                e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(keep))));
+            }
+            _mm256_storeu_ps(s + t, e);
+            total = _mm256_add_ps(total, e);
+        }
+        const float inv = 1.0f / lanes_sum(total);
+        float* o = out + ((b * L + i) * H + h0 + g) * D;
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; ++t)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), _mm256_loadu_ps(v + ((b * Hkv + kh) * S + keys[t]) * D + d), acc);
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+        }
+    }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int specviz_has_attention() {
+#ifdef SPECVIZ_ATTENTION_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef SPECVIZ_ATTENTION_AVX2
+void specviz_attention(const float* q, const float* k, const float* v, const uint8_t* mask, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t L, int64_t S, int64_t D, float scale, float* out, int nthreads) {
+    const int64_t G = H / Hkv;
+    // each row's visible keys, in order (shared by its heads)
+    std::vector<int32_t> keys(B * L * S);
+    std::vector<int64_t> count(B * L);
+    for (int64_t r = 0; r < B * L; ++r) {
+        int64_t n = 0;
+        for (int64_t j = 0; j < S; ++j)
+            if (mask[r * S + j]) keys[r * S + n++] = static_cast<int32_t>(j);
+        count[r] = n;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> scores(G * ((S + 7) / 8 * 8));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < B * Hkv * L; ++task) {
+            const int64_t b = task / (Hkv * L), kh = (task / L) % Hkv, i = task % L, r = b * L + i;
+            if (count[r] == 0) {  // a row that sees nothing (a padding row): zeros, as it is never read
+                for (int64_t g = 0; g < G; ++g) memset(out + ((b * L + i) * H + kh * G + g) * D, 0, sizeof(float) * D);
+                continue;
+            }
+            row(q, k, v, keys.data() + r * S, count[r], b, kh * G, G, kh, i, H, Hkv, L, S, D, scale, out, scores.data());
+        }
+    }
+}
+#endif
+
+}  // extern "C"

@@ -1,0 +1,87 @@
+"""The batch-invariant CPU attention (kernels/attention_cpu.cpp via specviz.cpu_attention).
+
+- Against torch's SDPA on random queries, keys and values with grouped heads, a causal mask with left
+  padding, and a verification-shaped call (a few rows over a long cache): equal up to fp32 rounding.
+- Bit for bit, a row's output does not depend on the call: the same row alone, among others, in a longer
+  call (more keys masked off), or in a bigger batch gives the same bits.
+- In a model (packed, fp32 and 8-bit activations): a prefix's logits in a call over more positions, and
+  step-by-step decoding from a cache, equal the logits of one full call, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from specviz import cpu_attention, cpu_kernels
+
+from conftest import tiny_qwen
+from test_packed import ACTIVATIONS, packed_twin
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.has_attention(),
+                                reason="the batch-invariant attention needs the AVX2 build of the CPU kernels")
+
+
+def causal_with_padding(B: int, L: int, S: int, pads: list[int]) -> torch.Tensor:
+    """[B, L, S] bool: row i (the last L of S positions) sees keys up to its own position, minus the first
+    pads[b] keys of sequence b (left padding)."""
+    sees = torch.ones(L, S, dtype=torch.bool).tril(S - L).expand(B, L, S).clone()
+    for b, pad in enumerate(pads):
+        sees[b, :, :pad] = False
+    return sees
+
+
+def sdpa(q, k, v, sees, scale):
+    group = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                         attn_mask=sees[:, None], scale=scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("B,H,Hkv,L,S,D", [(3, 6, 2, 9, 40, 16), (2, 4, 4, 1, 33, 8), (1, 12, 2, 70, 70, 128)],
+                         ids=["verify-rows", "one-row", "prefill"])
+def test_attention_equals_sdpa(B, H, Hkv, L, S, D):
+    g = torch.Generator().manual_seed(B * 100 + L)
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    sees = causal_with_padding(B, L, S, [b * 3 for b in range(B)])
+    got = cpu_kernels.attention(q, k, v, sees.to(torch.uint8).contiguous(), D ** -0.5)
+    torch.testing.assert_close(got, sdpa(q, k, v, sees, D ** -0.5), rtol=2e-5, atol=2e-5)
+
+
+def test_a_rows_output_is_the_same_bits_in_any_call():
+    g = torch.Generator().manual_seed(5)
+    H, Hkv, D, S = 8, 2, 32, 50
+    q, k, v = torch.randn(4, H, 12, D, generator=g), torch.randn(4, Hkv, S, D, generator=g), torch.randn(4, Hkv, S, D, generator=g)
+    sees = causal_with_padding(4, 12, S, [0, 5, 2, 9]).to(torch.uint8)
+    full = cpu_kernels.attention(q, k, v, sees.contiguous(), 0.2)
+    for b in range(4):
+        for i in (0, 5, 11):
+            alone = cpu_kernels.attention(q[b:b + 1, :, i:i + 1].contiguous(), k[b:b + 1].contiguous(),
+                                          v[b:b + 1].contiguous(), sees[b:b + 1, i:i + 1].contiguous(), 0.2)
+            assert torch.equal(alone[0, 0], full[b, i]), (b, i)
+            # the same row with 20 more keys it cannot see (a longer cache, e.g. another sequence's)
+            wider = torch.zeros(1, 1, S + 20, dtype=torch.uint8)
+            wider[..., :S] = sees[b:b + 1, i:i + 1]
+            pad = torch.randn(1, Hkv, 20, D, generator=g)
+            longer = cpu_kernels.attention(q[b:b + 1, :, i:i + 1].contiguous(), torch.cat([k[b:b + 1], pad], 2),
+                                           torch.cat([v[b:b + 1], pad], 2), wider, 0.2)
+            assert torch.equal(longer[0, 0], full[b, i]), (b, i, "more masked keys")
+
+
+@pytest.mark.parametrize("int8_activations", ACTIVATIONS, ids=["fp32-activations", "int8-activations"])
+def test_a_packed_models_logits_do_not_depend_on_the_call(int8_activations):
+    _, model, _ = packed_twin(tiny_qwen(0), seed=10, int8_activations=int8_activations)
+    assert model.config._attn_implementation == cpu_attention.NAME
+    ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full = model(ids).logits[0]
+        prefix = model(ids[:, :12]).logits[0]
+        out = model(ids[:, :12], use_cache=True)
+        cache, steps = out.past_key_values, []
+        for i in range(12, 20):
+            out = model(ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[0, -1])
+    assert torch.equal(prefix, full[:12])
+    assert torch.equal(torch.stack(steps[:-1]), full[12:19])

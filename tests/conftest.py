@@ -135,3 +135,19 @@ def batch_prompts() -> list[list[int]]:
     """Three different prompts of different lengths."""
     g = torch.Generator().manual_seed(17)
     return [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (12, 5, 21)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> tuple[str, str]:
+    """A tiny random draft/target pair saved as local checkpoints (one per test module), typed into the
+    page's model fields by the tests that drive the running app."""
+    return save_tiny_pair(tmp_path_factory.mktemp("page-models"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python app.py` on a free loopback port for one test module (tests/pageclient.py)."""
+    from pageclient import app_server
+
+    with app_server(tmp_path_factory.mktemp("page-app")) as running:
+        yield running

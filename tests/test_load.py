@@ -34,10 +34,9 @@ import pytest
 from gradio_client import handle_file
 from gradio_client.utils import Status
 
-from conftest import save_tiny_pair
 import pageclient
-from pageclient import (AppServer, Events, app_server, article, check_server_survived, compare_values, export_path,
-                        named, padded_trace, run_values, submit, trace_of)
+from pageclient import (Events, article, check_server_survived, compare_values, export_path, named, padded_trace,
+                        run_values, submit, trace_of)
 
 pytestmark = pytest.mark.load
 RUNS, UPLOADS, COMPARES = 5, 2, 1  # 8 sessions at once
@@ -45,18 +44,6 @@ NEW_TOKENS = 12
 TRACE_MB = float(os.environ.get("SPECVIZ_LOAD_TRACE_MB", "6"))  # the issue's 50 MB: see the module docstring
 JOB_S = 150  # any one job, queue included
 WAITING = {Status.STARTING, Status.JOINING_QUEUE, Status.QUEUE_FULL, Status.IN_QUEUE, Status.SENDING_DATA}
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> tuple[str, str]:
-    """A tiny random draft/target pair saved as local checkpoints, typed into the page's model fields."""
-    return save_tiny_pair(tmp_path_factory.mktemp("load-models"))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> AppServer:
-    with app_server(tmp_path_factory.mktemp("load-app")) as running:
-        yield running
 
 
 # ---- watching the jobs: when each left the queue, and the positions it was told ---------------------------

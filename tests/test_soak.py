@@ -21,8 +21,7 @@ import pytest
 from gradio_client import handle_file
 
 import pageclient
-from conftest import save_tiny_pair
-from pageclient import AppServer, app_server, article, check_server_survived, named, run_values, submit
+from pageclient import AppServer, article, check_server_survived, named, run_values, submit
 from specviz import page
 
 pytestmark = pytest.mark.load
@@ -34,17 +33,6 @@ NEW_TOKENS = 12
 JOB_S = 120
 RSS_GROWTH = 0.10  # the bound on the runs: < 10 % above the baseline
 UPLOAD_RETURN_MB = 100  # the bound on the uploads: back within 100 MB of where they started
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> tuple[str, str]:
-    return save_tiny_pair(tmp_path_factory.mktemp("soak-models"))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> AppServer:
-    with app_server(tmp_path_factory.mktemp("soak-app")) as running:
-        yield running
 
 
 # ---- what the server holds ------------------------------------------------------------------------------

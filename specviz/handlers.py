@@ -95,7 +95,7 @@ def _exported(server: Server, trace: Trace, ticket: Ticket | None = None) -> Upd
     """Export the trace for download and hold it on the shelf at the size of its file."""
     path = page.export(trace)
     return {"export": gr.DownloadButton(value=path, interactive=True),
-            "trace": server.traces.put(trace, Path(path).stat().st_size, ticket)}
+            "trace": server.traces.put(trace, Path(path).stat().st_size, ticket, file=Path(path))}
 
 
 GONE = ("This trace is no longer held by the server (it keeps the most recent ones); open its exported file "
@@ -226,7 +226,6 @@ def upload(server: Server, values: Values) -> Updates:
     if file is None:
         return {}
     path = file if isinstance(file, str) else file.name
-    trace = None
     try:
         trace = Trace.load(path)
         views(trace)  # a trace that loads but cannot be drawn is refused too

@@ -38,6 +38,7 @@ class _Held:
     trace: Trace
     size: int  # bytes of its trace file (the budget's unit; in memory a trace takes ~1.5× that)
     written: bool  # its file on disk is up to date: dropping it needs no write
+    file: Path | None = None  # a file already holding this very version (its export): dropping it links that
 
 
 def json_size(trace: Trace) -> int:
@@ -64,14 +65,16 @@ class TraceShelf:
                  disk_bytes: int = int(DEFAULT_DISK_MB * 1e6)):
         self.folder, self.memory_bytes, self.kept, self.disk_bytes = folder, memory_bytes, kept, disk_bytes
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
+        self._total = 0  # the sizes of the traces in _held
         self._lock = threading.Lock()
 
-    def put(self, trace: Trace, size: int, ticket: Ticket | None = None) -> Ticket:
-        """Hold `trace` (a new ticket, or a new version of the trace behind `ticket`: a run still streaming)."""
+    def put(self, trace: Trace, size: int, ticket: Ticket | None = None, file: Path | None = None) -> Ticket:
+        """Hold `trace` (a new ticket, or a new version of the trace behind `ticket`: a run still streaming).
+        `file`: a trace file already holding this version (its export), linked rather than written again
+        when the trace is dropped from memory."""
         ticket = ticket or Ticket(secrets.token_hex(16))
         with self._lock:
-            self._held[ticket.key] = _Held(trace, size, written=False)
-            self._held.move_to_end(ticket.key)
+            self._hold(ticket.key, _Held(trace, size, written=False, file=file))
             self._evict()
         return ticket
 
@@ -91,7 +94,7 @@ class TraceShelf:
             return None
         with self._lock:
             if ticket.key not in self._held:  # another thread may have read it back or put a newer version
-                self._held[ticket.key] = _Held(trace, size, written=True)
+                self._hold(ticket.key, _Held(trace, size, written=True))
             self._held.move_to_end(ticket.key)
             trace = self._held[ticket.key].trace
             self._evict()
@@ -99,27 +102,42 @@ class TraceShelf:
 
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(h.size for h in self._held.values())
+            return self._total
 
     def _path(self, ticket: Ticket) -> Path:
         return self.folder / f"{ticket.key}.json"
 
+    def _hold(self, key: str, held: _Held) -> None:
+        old = self._held.pop(key, None)
+        self._total += held.size - (old.size if old else 0)
+        self._held[key] = held  # the most recently used
+
     def _evict(self) -> None:
         """Drop the least recently used traces until within budget (the one just touched too, when it alone
         is larger than the budget: its caller still holds it for this look)."""
-        total, wrote = sum(h.size for h in self._held.values()), False
-        for key in list(self._held):
-            if total <= self.memory_bytes:
-                break
-            held = self._held[key]
+        wrote = False
+        while self._total > self.memory_bytes and self._held:
+            key, held = self._held.popitem(last=False)
             if not held.written:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                held.trace.save(self._path(Ticket(key)))
+                self._write(key, held)
                 wrote = True
-            del self._held[key]
-            total -= held.size
+            self._total -= held.size
         if wrote:
             self._prune()
+
+    def _write(self, key: str, held: _Held) -> None:
+        """The trace's file on the shelf: a link to its export when that still exists, else written."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self._path(Ticket(key))
+        if held.file is not None:
+            partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
+            try:
+                os.link(held.file, partial)  # exports are never rewritten, so the link stays this version
+                os.replace(partial, path)
+                return
+            except OSError:  # pruned meanwhile, or another file system: write it
+                partial.unlink(missing_ok=True)
+        held.trace.save(path)
 
     def _prune(self) -> None:
         """Delete the oldest files beyond `kept` or `disk_bytes` (never one whose trace is held, as

@@ -103,3 +103,17 @@ def test_many_threads_each_get_their_own_trace(traces, tmp_path):
     for t in threads:
         t.join()
     assert not wrong and shelf.held_bytes() <= 2 * json_size(traces[0]) + max(json_size(t) for t in traces)
+
+
+def test_a_trace_put_with_its_export_is_linked_not_written_again(traces, tmp_path):
+    export = tmp_path / "export.json"
+    traces[0].save(export)
+    shelf = TraceShelf(tmp_path / "shelf", memory_bytes=1)  # dropped from memory at once
+    ticket = shelf.put(traces[0], export.stat().st_size, file=export)
+    kept = tmp_path / "shelf" / f"{ticket.key}.json"
+    assert kept.stat().st_ino == export.stat().st_ino  # the export's bytes, no second serialization
+    export.unlink()  # the export folder pruned: the shelf's link still holds it
+    assert shelf.get(ticket).to_dict() == traces[0].to_dict()
+    gone = tmp_path / "gone.json"  # an export pruned before the trace left memory: written instead
+    ticket = shelf.put(traces[1], 10, file=gone)
+    assert shelf.get(ticket).to_dict() == traces[1].to_dict()

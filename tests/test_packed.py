@@ -314,3 +314,10 @@ def test_without_a_compiler_auto_falls_back_to_dense_and_packed_says_why(monkeyp
         models.use_packed("packed", True, "target")
     assert models.use_packed("dense", True, "target") is False
     assert models.use_packed("auto", False, "target") is False
+
+
+def test_8bit_activations_without_the_avx2_build_are_refused_by_name(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "has_int8_activations", lambda: False)
+    blocks = {"lm_head": random_packed("q4", 8, 64, seed=4)}
+    with pytest.raises(PackingError, match="8-bit activations need the AVX2 build"):
+        apply_packed(nn.Sequential(), blocks, int8_activations=True)

@@ -11,12 +11,13 @@ from typing import Any, Callable
 
 import gradio as gr
 
-from specviz import handlers, page, sessions, settings, shelf
-from specviz.handlers import COMPARE_COLUMNS, VIEW, Server
-from specviz.models import cache_dir
-from specviz.prompts import ASSETS, sample_article
-from specviz.token_view import TOKEN_CSS
-from specviz.why_panel import WHY_CSS
+from specviz.page import handlers, actions as page, sessions, shelf
+from specviz.runs import settings
+from specviz.page.handlers import COMPARE_COLUMNS, VIEW, Server
+from specviz.models.loading import cache_dir
+from specviz.text.prompts import ASSETS, sample_article
+from specviz.figures.token_view import TOKEN_CSS
+from specviz.figures.why_panel import WHY_CSS
 
 CSS = TOKEN_CSS + WHY_CSS + """
 #status { min-height: 2.2em; }
@@ -56,7 +57,7 @@ INTRO = ("A small **draft** model proposes a few tokens, the large **target** mo
 
 
 def control(name: str, **layout: Any) -> gr.Component:
-    """A setting's control, built from its declaration (specviz.settings)."""
+    """A setting's control, built from its declaration (specviz.runs.settings)."""
     s = settings.declaration(name)
     default = settings.FIELDS[name].default
     common = {"label": s.label, "elem_id": settings.elem_id(name), **layout}

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from specviz.cli.commands import main
 
 sys.exit(main())

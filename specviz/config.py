@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 MODES = ("baseline", "exact", "sigmoid")
-DRAFT_KINDS = ("model", "lookup", "lookup+model")  # see specviz.drafts
+DRAFT_KINDS = ("model", "lookup", "lookup+model")  # see specviz.decoding.drafts
 GAMMA_POLICIES = ("constant", "hf", "bass", "optimal", "cost")
-MAX_EXPLAIN_TOP = 100  # bounds the trace's size (specviz.explain)
+MAX_EXPLAIN_TOP = 100  # bounds the trace's size (specviz.decoding.explain)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class SpecConfig:
     # tokens); 0 = the whole vocabulary. q = 0 elsewhere; verification stays exact.
     draft_vocab: int = 0
     # Top tokens of p, q and the residual recorded per examined position for the page's why-panel
-    # (specviz.explain); 0 records none. The clock stops while they are recorded.
+    # (specviz.decoding.explain); 0 records none. The clock stops while they are recorded.
     explain_top: int = 20
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingConfig
+from specviz.config import SamplingConfig
 
 
 class InvalidLogitsError(ValueError):

@@ -12,7 +12,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from specviz.models import ModelPair
+from specviz.models.loading import ModelPair
 
 VOCAB = 151_936
 EOS = VOCAB - 1
@@ -117,15 +117,15 @@ def prompt_ids() -> list[int]:
 
 def prompts_source(pair: ModelPair, prompts: list[list[int]], draft_vocab: int = 0):
     """A text source over raw prompt ids, one sequence each."""
-    from specviz.source import SequenceSpec
-    from specviz.text import TextSource
+    from specviz.decoding.source import SequenceSpec
+    from specviz.text.source import TextSource
 
     return TextSource(pair, [SequenceSpec(list(p), f"p{i}", f"p{i}", {}) for i, p in enumerate(prompts)], draft_vocab)
 
 
 def decode(pair: ModelPair, prompts: list[list[int]], cfg, **kwargs):
     """Decode raw prompts as one batch (or groups of batch_size) on the shared driver; returns the trace."""
-    from specviz.runs import run
+    from specviz.runs.decode import run
 
     return run(prompts_source(pair, prompts, cfg.draft_vocab), cfg, **kwargs)
 

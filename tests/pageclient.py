@@ -19,8 +19,8 @@ import pytest
 from gradio_client import Client
 
 import app
-from specviz import page
-from specviz.settings import Settings
+from specviz.page import actions as page
+from specviz.runs.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 START_S = 120  # the app's start (imports torch and gradio)

@@ -13,12 +13,12 @@ import soundfile as sf
 import torch
 from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-from specviz.asr import SpeechPair, int8_layer_draft, layer_draft, load_speech_pair, word_error_rate
-from specviz.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
+from specviz.speech.asr import SpeechPair, int8_layer_draft, layer_draft, load_speech_pair, word_error_rate
+from specviz.speech.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.models import ModelLoadError
-from specviz.prompts import ASSETS
-from specviz.runs import transcribe as transcribe_clips
+from specviz.models.loading import ModelLoadError
+from specviz.text.prompts import ASSETS
+from specviz.runs.decode import transcribe as transcribe_clips
 
 from conftest import word_tokenizer
 
@@ -245,7 +245,7 @@ def test_word_error_rate_normalizes():
 
 
 def test_speech_pair_checks_vocabulary_and_encoder():
-    from specviz.asr import check_speech_pair
+    from specviz.speech.asr import check_speech_pair
 
     target = tiny_whisper()
     same = SimpleNamespace(tokenizer=word_tokenizer(TINY_V))

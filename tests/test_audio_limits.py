@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 from scipy.signal import resample_poly
 
-from specviz.audio import SAMPLE_RATE, AudioError, decode_audio, load_audio, to_model_input
+from specviz.speech.audio import SAMPLE_RATE, AudioError, decode_audio, load_audio, to_model_input
 
 MiB = 1 << 20
 # Per-call overhead allowed on top of 2x the 16 kHz result: one decoded block (1 MiB), its mono mix, the

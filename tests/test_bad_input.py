@@ -7,10 +7,11 @@ import io
 import pytest
 import torch
 
-from specviz import cli, verify
+from specviz.cli import commands as cli
+from specviz import verify
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.models import ModelPair
-from specviz.prompts import InputError, max_prompt_tokens, sample_article, summarization_prompt
+from specviz.models.loading import ModelPair
+from specviz.text.prompts import InputError, max_prompt_tokens, sample_article, summarization_prompt
 from specviz.sampling import InvalidLogitsError
 
 from conftest import VOCAB, decode, tiny_qwen
@@ -142,8 +143,8 @@ def test_verify_backend_choices():
 def test_public_page_accepts_local_models_only_under_named_dirs(tmp_path):
     """With --models-dir (a public address), paths elsewhere are refused with one message whether they
     exist or not; hub ids, the default pair and layer drafts pass; paths inside the named dir pass."""
-    from specviz.models import ModelLoadError
-    from specviz.sessions import ModelAccess
+    from specviz.models.loading import ModelLoadError
+    from specviz.page.sessions import ModelAccess
 
     allowed = tmp_path / "models"
     (allowed / "mine").mkdir(parents=True)
@@ -166,8 +167,8 @@ def test_an_uncached_hub_id_is_refused_within_seconds_when_the_hub_cannot_be_rea
 
     from huggingface_hub import constants
 
-    from specviz import hub
-    from specviz.models import ModelLoadError, load_pair
+    from specviz.models import hub
+    from specviz.models.loading import ModelLoadError, load_pair
 
     monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")  # .invalid never resolves (RFC 2606)
     monkeypatch.setattr(hub, "_known", None)

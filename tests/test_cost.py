@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from specviz import cost, engine, theory
+from specviz.decoding import cost, engine
+from specviz import theory
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.cost import (CALIBRATION_TOKENS, CostModel, RunningAcceptance, best_gamma, break_even_alpha, calibrate,
-                          expected_speedup, expected_tokens)
-from specviz.gamma import CostAware, Feedback
-from specviz.models import ModelPair
-from specviz.records import BONUS, RESAMPLED, TARGET
-from specviz.runs import run
-from specviz.text import TextSource, prompt_sequences
-from specviz.trace import Trace, TraceFormatError
+from specviz.decoding.cost import (CALIBRATION_TOKENS, CostModel, RunningAcceptance, best_gamma, break_even_alpha, calibrate, expected_speedup, expected_tokens)
+from specviz.decoding.gamma import CostAware, Feedback
+from specviz.models.loading import ModelPair
+from specviz.decoding.records import BONUS, RESAMPLED, TARGET
+from specviz.runs.decode import run
+from specviz.text.source import TextSource, prompt_sequences
+from specviz.traces.trace import TraceFormatError
+from specviz.traces.json_format import loads_trace
 
 from conftest import decode, perturbed_copy, tiny_qwen, word_tokenizer
 from test_verify_statistics import FAMILY_ALPHA, POWER, gof_failure, samples_to_detect_tv
@@ -276,7 +277,7 @@ def test_greedy_with_plain_steps_in_the_mix_equals_target_only(tiny_pair, prompt
     assert [s.gamma for s in single.steps[:len(SCRIPT)]] == SCRIPT
     batched = decode(tiny_pair, batch_prompts, cfg)  # ragged rows, a draft cache that lags after plain steps
     assert batched.outputs == alone[1:]
-    assert Trace.loads(json.dumps(batched.to_dict())).outputs == batched.outputs  # γ = 0 steps load back
+    assert loads_trace(json.dumps(batched.to_dict())).outputs == batched.outputs  # γ = 0 steps load back
 
 
 def test_cost_policy_on_a_draft_as_costly_as_its_target(tiny_pair, prompt_ids):
@@ -290,7 +291,7 @@ def test_cost_policy_on_a_draft_as_costly_as_its_target(tiny_pair, prompt_ids):
     assert gammas.count(0) > len(gammas) / 2, gammas
     costs = CostModel.from_dict(trace.meta["costs"])
     assert costs.ready and costs.draft_s(1) > 0
-    loaded = Trace.loads(json.dumps(trace.to_dict()))
+    loaded = loads_trace(json.dumps(trace.to_dict()))
     assert loaded.meta["costs"] == trace.meta["costs"]
 
 
@@ -299,7 +300,7 @@ def test_a_trace_with_a_malformed_cost_table_is_refused(tiny_pair, prompt_ids):
     d = trace.to_dict()
     d["meta"]["costs"]["target"] = [[1, 1, 1e300, 1]]
     with pytest.raises(TraceFormatError, match="meta.costs"):
-        Trace.loads(json.dumps(d))
+        loads_trace(json.dumps(d))
 
 
 GOF_V = 48  # vocabulary of the goodness-of-fit pair: small enough to enumerate two tokens exactly
@@ -361,9 +362,9 @@ def test_runs_mixing_plain_and_speculative_steps_follow_the_target(small_vocab_p
 def test_prediction_and_its_sentence_on_a_run(tiny_pair, prompt_ids):
     """A constant-γ run on the tiny pair: the prediction is built from its own cost table, the time split
     adds up to the iterations it measured, and the page and the figures show it, labelled a prediction."""
-    from specviz import report
-    from specviz.figures import acceptance_figure, theory_figure
-    from specviz.prediction import predict, sentence
+    from specviz.figures import report
+    from specviz.figures.plots import acceptance_figure, theory_figure
+    from specviz.traces.prediction import predict, sentence
 
     cfg = SpecConfig(mode="exact", gamma_policy="constant", gamma_init=3, max_new_tokens=30)
     trace = decode(tiny_pair, [prompt_ids], cfg)
@@ -387,8 +388,8 @@ def test_prediction_and_its_sentence_on_a_run(tiny_pair, prompt_ids):
 
 
 def test_traces_without_a_cost_table_predict_nothing(tiny_pair, prompt_ids):
-    from specviz import report
-    from specviz.prediction import predict
+    from specviz.figures import report
+    from specviz.traces.prediction import predict
 
     trace = decode(tiny_pair, [prompt_ids], SpecConfig(max_new_tokens=8))
     del trace.meta["costs"]  # as written before the cost model
@@ -398,7 +399,7 @@ def test_traces_without_a_cost_table_predict_nothing(tiny_pair, prompt_ids):
 
 
 def test_break_even_and_plain_share_in_the_sentence():
-    from specviz.prediction import Prediction, sentence
+    from specviz.traces.prediction import Prediction, sentence
 
     base = dict(speedup=0.8, tokens_per_iteration=2.0, measured_tokens_per_iteration=2.1, alphas=[0.7], gamma=2,
                 scored_ratio=1.4, split_s={"draft": 0.1, "target": 0.14, "verify": 0.0, "other": 0.0}, plain_s=0.1,

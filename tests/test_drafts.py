@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.drafts import SubsetHead, lookup, one_hot_logits, subset_ids
-from specviz.quant import quantize_draft_int8
-from specviz.records import LOOKUP, MODEL, REJECTED
-from specviz.trace import Trace
+from specviz.decoding.drafts import SubsetHead, lookup, one_hot_logits, subset_ids
+from specviz.models.quant import quantize_draft_int8
+from specviz.decoding.records import LOOKUP, MODEL, REJECTED
+from specviz.traces.json_format import load_trace, loads_trace
 
 from conftest import EOS, VOCAB, decode
 from test_verify_statistics import FAMILY_ALPHA, POWER, Pair, gof_failure, probs_of, run_copies, samples_to_detect_tv
@@ -141,7 +141,7 @@ def test_every_draft_kind_has_one_proposer():
     """The driver knows no kinds: each SpecConfig.draft_kind maps to one Proposer class, which says whether
     the driver must open a draft model for it."""
     from specviz.config import DRAFT_KINDS
-    from specviz.proposers import PROPOSERS, LookupThenModel, ModelDraft, PromptLookup, uses_draft_model
+    from specviz.decoding.proposers import PROPOSERS, LookupThenModel, ModelDraft, PromptLookup, uses_draft_model
 
     assert sorted(PROPOSERS) == sorted(DRAFT_KINDS)
     assert PROPOSERS == {"model": ModelDraft, "lookup": PromptLookup, "lookup+model": LookupThenModel}
@@ -153,8 +153,8 @@ def test_every_draft_kind_has_one_proposer():
 def test_prompt_lookup_proposes_for_every_row():
     """Lookup alone: a row with a match proposes its continuation, a row without one repeats its last token;
     q is one-hot on each proposal and zero-padded beyond it."""
-    from specviz.proposers import DraftSetup, make_proposer
-    from specviz.source import Vocabulary
+    from specviz.decoding.proposers import DraftSetup, make_proposer
+    from specviz.decoding.source import Vocabulary
 
     setup = DraftSetup(cfg=SpecConfig(draft_kind="lookup"), vocab=Vocabulary(str, EOS_SET, 16),
                        device=torch.device("cpu"), generator=torch.Generator(), draft=None)
@@ -181,7 +181,7 @@ def test_the_drafter_survives_a_trace_round_trip(tiny_pair, tmp_path):
     trace = decode(tiny_pair, _repeating_prompts()[:1], SpecConfig(draft_kind="lookup+model", max_new_tokens=12))
     path = tmp_path / "t.json"
     trace.save(path)
-    loaded = Trace.load(path)
+    loaded = load_trace(path)
     assert [d.drafter for d in loaded.decisions()] == [d.drafter for d in trace.decisions()]
 
 
@@ -231,7 +231,7 @@ def test_subset_draft_output_follows_the_target(mode, int8, sampling):
 
 
 def test_summary_and_page_say_which_draft_ran(tiny_pair):
-    from specviz.report import summary_markdown
+    from specviz.figures.report import summary_markdown
 
     prompts = _repeating_prompts()
     mixed = decode(tiny_pair, prompts, SpecConfig(draft_kind="lookup+model", draft_vocab=3000, max_new_tokens=20))
@@ -247,9 +247,9 @@ def test_summary_and_page_say_which_draft_ran(tiny_pair):
 
 
 def test_bad_draft_settings_get_clear_messages(tmp_path):
-    from specviz.cli import _draft_variants, build_parser
-    from specviz.prompts import InputError
-    from specviz.trace import TraceFormatError
+    from specviz.cli.commands import _draft_variants, build_parser
+    from specviz.text.prompts import InputError
+    from specviz.traces.trace import TraceFormatError
 
     with pytest.raises(ValueError, match="unknown draft kind 'ngram'"):
         SpecConfig(draft_kind="ngram")
@@ -262,16 +262,16 @@ def test_bad_draft_settings_get_clear_messages(tmp_path):
     args = build_parser().parse_args(["compare", str(article), "--drafts", "lookup:many"])
     with pytest.raises(InputError, match="--drafts takes KIND"):  # refused before any run starts
         _draft_variants(args, None, SpecConfig(), None)
-    trace = Trace.loads(_tiny_trace_json()).to_dict()
+    trace = loads_trace(_tiny_trace_json()).to_dict()
     trace["sequences"][0]["decisions"][0]["drafter"] = "oracle"
     with pytest.raises(TraceFormatError, match="drafter 'oracle'; expected one of model, lookup"):
-        Trace.loads(json.dumps(trace))
+        loads_trace(json.dumps(trace))
 
 
 def _tiny_trace_json() -> str:
-    from specviz.source import SequenceSpec
-    from specviz.records import Completed, Decision, Iteration, Prefilled, StepRecord
-    from specviz.trace import TraceBuilder
+    from specviz.decoding.source import SequenceSpec
+    from specviz.decoding.records import Completed, Decision, Iteration, Prefilled, StepRecord
+    from specviz.traces.trace import TraceBuilder
 
     builder = TraceBuilder({"mode": "exact"}, [SequenceSpec([1, 2], "s", "s", {})], lambda ids: " ".join(map(str, ids)))
     builder.add(Prefilled([0], 0.1))

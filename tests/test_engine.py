@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from specviz.config import GAMMA_POLICIES, SamplingConfig, SpecConfig
-from specviz.source import Vocabulary
-from specviz.models import ModelPair
-from specviz.prompts import InputError
-from specviz.records import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Finished, Iteration
-from specviz.runs import run
-from specviz.text import CausalLMDecoder, TextSource, prompt_sequences
+from specviz.decoding.source import Vocabulary
+from specviz.models.loading import ModelPair
+from specviz.text.prompts import InputError
+from specviz.decoding.records import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Finished, Iteration
+from specviz.runs.decode import run
+from specviz.text.source import CausalLMDecoder, TextSource, prompt_sequences
 
 from conftest import EOS, VOCAB, decode, prompts_source, tiny_qwen
 

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specviz import cli
-from specviz.eval_data import Example, load_examples
-from specviz.eval_results import ResultsError, load_results, report_markdown, summarize
-from specviz.eval_run import Models, ResultsFile, run_serial
-from specviz.settings import TEXT, Settings
-from specviz.sweep import Grid, GridError, make_grid
+from specviz.cli import commands as cli
+from specviz.evaluation.data import load_examples
+from specviz.evaluation.examples import Example
+from specviz.evaluation.results import ResultsError, load_results, report_markdown, summarize
+from specviz.evaluation.run import Models, ResultsFile, run_serial
+from specviz.runs.settings import TEXT, Settings
+from specviz.evaluation.sweep import Grid, GridError, make_grid
 
 from conftest import save_tiny_pair
 
@@ -79,7 +80,7 @@ def test_a_grid_that_cannot_run_is_refused_before_anything_loads(kwargs, message
 
 
 def test_cli_sigmoid_scales_are_symmetric_ranges(capsys):
-    from specviz.cli_eval import _ranges
+    from specviz.cli.evaluate import _ranges
 
     assert _ranges(["default", "1e3", "10"]) == ["default", "-1e3:1e3", "-10:10"]
     assert cli.main(["eval", "text", "--sigmoid-scales", "wide"]) == 2
@@ -128,7 +129,7 @@ def test_a_failing_cell_is_retried_then_recorded_with_its_message(tmp_path, tiny
     folder = tmp_path / "speech-less"
     folder.mkdir()
     (folder / "manifest.jsonl").write_text(json.dumps({"id": "only", "article": "w1 w2 w3", "summary": "w1"}) + "\n")
-    from specviz import eval_run
+    from specviz.evaluation import run as eval_run
 
     calls = []
     real = eval_run.CellRunner.run
@@ -199,7 +200,7 @@ def test_the_cli_reports_a_results_file(tmp_path, manifest, tiny_models, capsys)
 def test_ray_with_two_workers_equals_the_serial_sweep_and_loses_no_cell_when_a_worker_dies(
         tmp_path, manifest, tiny_models):
     ray = pytest.importorskip("ray")
-    from specviz.eval_ray import run_ray
+    from specviz.evaluation.on_ray import run_ray
 
     _, serial = _serial(tmp_path, manifest, tiny_models)
     examples = load_examples(manifest)

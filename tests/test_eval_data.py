@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from specviz.audio import SAMPLE_RATE, load_audio
-from specviz.eval_data import (BUNDLED_SPEECH, BUNDLED_TEXT, EvalDataError, Example, describe,
-                               load_examples)
-from specviz.prompts import MAX_ARTICLE_CHARS
-from specviz.settings import SPEECH, TEXT
+from specviz.speech.audio import SAMPLE_RATE, load_audio
+from specviz.evaluation.data import BUNDLED_SPEECH, BUNDLED_TEXT, describe, load_examples
+from specviz.evaluation.examples import EvalDataError, Example
+from specviz.text.prompts import MAX_ARTICLE_CHARS
+from specviz.runs.settings import SPEECH, TEXT
 
 ARTICLE = "The harbour of Quillon reopened on Monday after a week of repairs to the storm wall."
 
@@ -144,13 +144,15 @@ def test_empty_and_oversized_sets(tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("hello", encoding="utf-8")
     refusal(tmp_path / "notes.txt", ".jsonl or .parquet")
 
-    import specviz.eval_data as eval_data
+    import specviz.evaluation.data as eval_data
+    import specviz.evaluation.examples as eval_examples
     monkeypatch.setattr(eval_data, "MAX_ROWS", 3)
+    monkeypatch.setattr(eval_examples, "MAX_ROWS", 3)
     write_manifest(tmp_path / "big", [text_row(i) for i in range(4)])
     refusal(tmp_path / "big", "more than 3 examples", "limit=")
     assert len(load_examples(tmp_path / "big", limit=2)) == 2
     refusal(tmp_path / "big", "limit must be", limit=0)
-    monkeypatch.setattr(eval_data, "MAX_FILE_BYTES", 100)
+    monkeypatch.setattr(eval_examples, "MAX_FILE_BYTES", 100)
     refusal(tmp_path / "big", "over the 100-byte limit")
 
 

@@ -1,4 +1,4 @@
-"""The why-panel's data: the distributions recorded at each examined position (specviz.explain), the
+"""The why-panel's data: the distributions recorded at each examined position (specviz.decoding.explain), the
 sigmoid-vs-exact gap, the replay prefix, and trace versions 2 and 3 round-tripping with them."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from specviz.config import MAX_EXPLAIN_TOP, SamplingConfig, SpecConfig
-from specviz.explain import examine
-from specviz.records import DISCARDED
-from specviz.trace import SCHEMA_VERSION, Trace, TraceFormatError
+from specviz.decoding.explain import examine
+from specviz.decoding.records import DISCARDED
+from specviz.traces.trace import SCHEMA_VERSION, Trace, TraceFormatError
+from specviz.traces.json_format import load_trace, loads_trace
 
 from conftest import VOCAB, decode
 
@@ -155,14 +156,14 @@ def test_version_3_round_trip_and_version_2_still_loads(sampled_trace, tmp_path)
     sampled_trace.save(path)
     data = json.loads(path.read_text())
     assert data["schema_version"] == SCHEMA_VERSION == 3
-    assert Trace.load(path) == sampled_trace
+    assert load_trace(path) == sampled_trace
     for s in data["sequences"]:  # what a version-2 writer produced
         for d in s["decisions"]:
             del d["why"]
     for step in data["steps"]:
         del step["explain_s"]
     data["schema_version"] = 2
-    old = Trace.loads(json.dumps(data))
+    old = loads_trace(json.dumps(data))
     assert old.outputs == sampled_trace.outputs and not any(d.why for d in old.decisions())
 
 
@@ -180,7 +181,7 @@ def test_malformed_why_is_refused(sampled_trace, edit, message):
     decision = next(d for s in data["sequences"] for d in s["decisions"] if len(d["why"]) >= 2)
     edit(decision["why"])
     with pytest.raises(TraceFormatError, match=message):
-        Trace.loads(json.dumps(data))
+        loads_trace(json.dumps(data))
 
 
 def test_explain_top_is_bounded():
@@ -194,4 +195,4 @@ def test_bonus_exactly_when_every_draft_was_accepted(sampled_trace):
     decision = next(d for s in data["sequences"] for d in s["decisions"] if d["n_accepted"] < d["gamma"])
     decision["next_kind"] = "bonus"
     with pytest.raises(TraceFormatError, match="bonus exactly when"):
-        Trace.loads(json.dumps(data))
+        loads_trace(json.dumps(data))

@@ -38,12 +38,13 @@ from typing import Callable
 
 import pytest
 
-from specviz import page
+from specviz.page import actions as page
 from specviz.cache import CACHE_ENV, MARKER, damage
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.models import ModelPair
-from specviz.trace import Trace
-from specviz.whisper_loader import _CONVERTER_VERSION, EMBEDDED_WHISPER
+from specviz.models.loading import ModelPair
+from specviz.traces.trace import Trace
+from specviz.traces.json_format import trace_from_dict, load_trace
+from specviz.speech.whisper_loader import _CONVERTER_VERSION, EMBEDDED_WHISPER
 
 from conftest import decode, perturbed_copy, tiny_qwen, word_tokenizer
 
@@ -99,7 +100,7 @@ PRELUDE = """
 import json, os, shutil, time
 from pathlib import Path
 from specviz import cache, page, whisper_loader
-from specviz.trace import Trace
+from specviz.traces.trace import Trace
 print("EXPORT_DIR", page.EXPORT_DIR, flush=True)
 """
 
@@ -484,8 +485,8 @@ for i in range(ARGS["exports"]):
 FRESH_EXPORTS = r'''
 import json, sys
 from specviz import page
-from specviz.trace import Trace
-small = Trace.load(sys.argv[1])
+from specviz.traces.trace import Trace
+small = load_trace(sys.argv[1])
 print(json.dumps([page.export(small) for _ in range(page.EXPORTS_KEPT)]))
 '''
 
@@ -506,7 +507,7 @@ def recorded_traces(root: Path) -> tuple[Trace, Path, Trace, Path]:
     data = small.to_dict()
     line = "fault test padding " + "x" * 1000
     data["meta"]["fault_test_padding"] = [line] * int(TRACE_MB * 1e6 / (len(line) + 8))
-    big = Trace.from_dict(data)
+    big = trace_from_dict(data)
     small.save(root / "small.json")
     big.save(root / "big.json")
     return small, root / "small.json", big, root / "big.json"
@@ -588,7 +589,7 @@ def check_exports(exports: Path, big: Trace, whole: bytes, checked: set[Path], k
         assert path.suffix == ".json" and not path.name.startswith("."), f"killed at {kill!r}: stray {path}"
         if path not in checked:
             assert path.read_bytes() == whole, f"killed at {kill!r}: {path} is not the whole trace"
-            assert Trace.load(path) == big, f"killed at {kill!r}: {path} does not load as the trace"
+            assert load_trace(path) == big, f"killed at {kill!r}: {path} does not load as the trace"
             checked.add(path)
 
 
@@ -631,7 +632,7 @@ def test_export_killed_anywhere_leaves_only_whole_files(world):
     start = time.perf_counter()
     small, small_path, big, big_path = recorded_traces(root)
     whole = big_path.read_bytes()
-    zygote.inline(f"TRACE = Trace.load({str(big_path)!r})")
+    zygote.inline(f"TRACE = load_trace({str(big_path)!r})")
     # A server that has run a while holds EXPORTS_KEPT folders and prunes the oldest on every export.
     for i in range(page.EXPORTS_KEPT):
         (exports / f"earlier-{i:03d}").mkdir(parents=True)
@@ -663,7 +664,7 @@ def test_export_killed_anywhere_leaves_only_whole_files(world):
     assert folders(exports) == {p.parent for p in made}, "the fresh process did not prune down to its own exports"
     assert not parts(exports), "a killed export's .part survived a full round of pruning"
     for path in made:
-        assert [p.name for p in path.parent.iterdir()] == [path.name] and Trace.load(path) == small
+        assert [p.name for p in path.parent.iterdir()] == [path.name] and load_trace(path) == small
     rows.append((f"(then a fresh process exports {len(made)} times)", f"{leftovers} .part files left by the kills",
                  f"{len(made)} whole", "all leftovers pruned; its exports whole"))
     print_table(f"Trace export ({len(whole) / 1e6:.0f} MB) killed with SIGKILL ({len(kills)} kills, seed {SEED}; "

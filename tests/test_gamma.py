@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specviz import theory
-from specviz.gamma import BASS, Constant, Feedback, HFHeuristic, Optimal, default_policy, make_policy
+from specviz.decoding.gamma import BASS, Constant, Feedback, HFHeuristic, Optimal, default_policy, make_policy
 
 
 def fb(gamma: int, accepted: list[int], probs=(0.5,), draft_s=0.1, target_s=1.0, drafted=None) -> Feedback:

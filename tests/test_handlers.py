@@ -8,14 +8,15 @@ import json
 import gradio as gr
 
 import app
-from specviz import handlers, page, sessions, settings
+from specviz.page import handlers, actions as page, sessions
+from specviz.runs import settings
 from specviz.config import SpecConfig
-from specviz.runs import run
-from specviz.shelf import Ticket, TraceShelf
-from specviz.settings import TEXT, Settings
-from specviz.text import article_source
-from specviz.eval_results import load_results
-from specviz.trace import Trace
+from specviz.runs.decode import run
+from specviz.page.shelf import Ticket, TraceShelf
+from specviz.runs.settings import TEXT, Settings
+from specviz.text.source import article_source
+from specviz.evaluation.results import load_results
+from specviz.traces.trace import Trace
 
 from conftest import decode
 

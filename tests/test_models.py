@@ -7,8 +7,8 @@ import hashlib
 import pytest
 import torch
 
-from specviz import models
-from specviz.models import EmbeddedGGUF, ModelLoadError, assemble_gguf, cache_dir, load_pair
+from specviz.models import loading as models
+from specviz.models.loading import EmbeddedGGUF, ModelLoadError, assemble_gguf, cache_dir, load_pair
 
 from conftest import save_tokenizer, tiny_qwen, word_tokenizer
 

@@ -24,15 +24,16 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 from torch import nn
 
-from specviz import cpu_kernels
+from specviz.models import cpu_kernels
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
-from specviz.models import ModelPair
-from specviz.packed import PackedLinear, PackingError, apply_packed, describe
-from specviz.text import TextSource, prompt_sequences
-from specviz.report import summary_markdown
-from specviz.runs import run
-from specviz.trace import Trace, TraceFormatError
+from specviz.models.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
+from specviz.models.loading import ModelPair
+from specviz.models.packed import PackedLinear, PackingError, apply_packed, describe
+from specviz.text.source import TextSource, prompt_sequences
+from specviz.figures.report import summary_markdown
+from specviz.runs.decode import run
+from specviz.traces.trace import TraceFormatError
+from specviz.traces.json_format import load_trace, loads_trace
 
 from conftest import VOCAB, tiny_qwen
 from test_verify_statistics import FAMILY_ALPHA, POWER, Pair, gof_failure, probs_of, run_copies, samples_to_detect_tv
@@ -246,13 +247,13 @@ def test_the_trace_says_which_weights_ran_and_refuses_malformed_ones(packed_pair
     trace = run(TextSource(packed, prompt_sequences([("p", prompt_ids)], 1, cfg)), cfg)
     path = tmp_path / "t.json"
     trace.save(path)
-    loaded = Trace.load(path)
+    loaded = load_trace(path)
     assert loaded.meta["target_weights"] == packed.target_weights
     assert "the target's linear layers: GGUF" in summary_markdown(loaded)
     data = json.loads(path.read_text())
     data["meta"]["target_weights"] = 5
     with pytest.raises(TraceFormatError, match="target_weights"):
-        Trace.loads(json.dumps(data))
+        loads_trace(json.dumps(data))
 
 
 def test_a_gguf_without_a_matching_tensor_is_refused(tmp_path):
@@ -285,7 +286,7 @@ def test_verification_follows_the_packed_targets_distribution(packed_pairs, prom
 
 
 def test_packed_files_of_another_version_are_not_trusted(tmp_path):
-    from specviz import packed as packed_module
+    from specviz.models import packed as packed_module
 
     blocks = {"lm_head": random_packed("q4", 8, 64, seed=4)}
     path = tmp_path / "packed.safetensors"
@@ -301,7 +302,7 @@ def test_packed_files_of_another_version_are_not_trusted(tmp_path):
 
 
 def test_without_a_compiler_auto_falls_back_to_dense_and_packed_says_why(monkeypatch):
-    from specviz import models
+    from specviz.models import loading as models
 
     def no_build():
         raise cpu_kernels.KernelBuildError("no C++ compiler found")

@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from specviz import page, report, sessions
-from specviz.compare import compare, noise, source_runner
+from specviz.page import actions as page, sessions
+from specviz.figures import report
+from specviz.runs.compare import compare, noise, source_runner
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.runs import run
-from specviz.settings import SPEECH, TEXT, Settings
-from specviz.trace import Trace
+from specviz.runs.decode import run
+from specviz.runs.settings import SPEECH, TEXT, Settings
+from specviz.traces.json_format import loads_trace
 
 from conftest import decode, prompts_source
 
@@ -42,7 +43,7 @@ def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
             stop.stop("test")
     assert done and trace.meta["stopped"] is True
     assert len(trace.steps) <= 4 and trace.new_tokens < 200  # at most the iteration in flight finishes
-    Trace.loads(json.dumps(trace.to_dict()))  # the partial trace is a valid, exportable trace
+    loads_trace(json.dumps(trace.to_dict()))  # the partial trace is a valid, exportable trace
 
 
 def test_a_closed_stream_stops_its_worker(tiny_pair, prompt_ids):
@@ -144,7 +145,7 @@ def test_sigmoid_warning_only_when_far(tiny_pair, prompt_ids):
     (SPEECH, 1, True, "text with one sequence"),
 ])
 def test_compare_refuses_bad_settings_with_a_message(tiny_pair, task, rounds, with_hf, message):
-    from specviz.prompts import InputError
+    from specviz.text.prompts import InputError
 
     models = _Models(tiny_pair)
     models.speech = lambda draft, target, progress: pytest.fail("no model may load for a refused comparison")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from specviz.trace import Trace
+from specviz.traces.json_format import load_trace
 
 from conftest import save_tiny_pair
 
@@ -179,7 +179,7 @@ def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
     assert path.read_text().startswith('{\n  "meta"')
     data = json.loads(path.read_text())
     assert data["schema_version"] == 3
-    trace = Trace.load(path)  # validates every field
+    trace = load_trace(path)  # validates every field
     assert trace.new_tokens == 24 and trace.steps and trace.meta["page_settings"]["mode"] == "baseline"
 
     fresh = page.context.new_page()  # a new session: no model run, only the file
@@ -197,7 +197,7 @@ def test_export_and_reload_trace(page, tiny_dirs, tmp_path):
     assert fresh.locator("#max-new-tokens input[type=number]").input_value() == "24"
     with fresh.expect_download() as again:
         fresh.click("#export-button")
-    assert Trace.load(again.value.path()).outputs == trace.outputs
+    assert load_trace(again.value.path()).outputs == trace.outputs
 
 
 def test_three_sequences_show_three_lanes(page, tiny_dirs, shots):
@@ -383,7 +383,7 @@ def test_stop_ends_the_run_and_keeps_the_partial_trace(page, tiny_dirs, tmp_path
     page.wait_for_function("() => !document.querySelector('#run-button').disabled", timeout=30_000)
     with page.expect_download() as download:
         page.click("#export-button")
-    trace = Trace.load(download.value.path())
+    trace = load_trace(download.value.path())
     assert trace.meta["stopped"] is True and trace.steps
     assert trace.new_tokens < 8 * 256
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specviz.config import SpecConfig
-from specviz.models import load_pair
-from specviz.prompts import sample_article, summarization_prompt
+from specviz.models.loading import load_pair
+from specviz.text.prompts import sample_article, summarization_prompt
 
 from conftest import decode
 
@@ -87,7 +87,7 @@ def test_the_packed_target_is_the_dense_target_and_the_default_stays_near_it(pai
     in docs/benchmarks.md; here ≥ 90% of 64 positions, logits within 5% in norm at the median)."""
     import torch
 
-    from specviz.models import load_model
+    from specviz.models.loading import load_model
 
     cpu = torch.device("cpu")
     assert pair.target_weights.startswith("GGUF") and "Q4_K" in pair.target_weights
@@ -112,10 +112,10 @@ def test_the_packed_target_is_the_dense_target_and_the_default_stays_near_it(pai
 def test_a_positions_logits_do_not_depend_on_the_tokens_scored_with_it(pair, prompt):
     """Batch invariance on the real target, bit for bit: the logits of one position scored alone and scored
     among 8 tokens (as verification scores γ + 1). The packed linear layers and the CPU attention are both
-    batch-invariant (specviz.packed, specviz.cpu_attention)."""
+    batch-invariant (specviz.models.packed, specviz.models.cpu_attention)."""
     import torch
 
-    from specviz.text import CausalLMDecoder
+    from specviz.text.source import CausalLMDecoder
 
     decoder = CausalLMDecoder(pair.target, pair.vocab_size, 1)
     decoder.prefill([prompt[:-8]])

@@ -11,9 +11,10 @@ import gradio as gr
 import pytest
 
 import app
-from specviz import cli, settings
+from specviz.cli import commands as cli
+from specviz.runs import settings
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.settings import SPEECH, TEXT, Settings, SettingError
+from specviz.runs.settings import SPEECH, TEXT, Settings, SettingError
 
 
 def _page_controls() -> dict[str, gr.components.Component]:

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.shelf import Ticket, TraceShelf, json_size
+from specviz.page.shelf import Ticket, TraceShelf, json_size
 
 from conftest import decode
 

@@ -22,7 +22,7 @@ from gradio_client import handle_file
 
 import pageclient
 from pageclient import AppServer, article, check_server_survived, named, run_values, submit
-from specviz import page
+from specviz.page import actions as page
 
 pytestmark = pytest.mark.load
 WARMUP = 5  # runs before the baseline: the models load, caches and thread pools fill

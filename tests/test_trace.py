@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from specviz import page, report
+from specviz.page import actions as page
+from specviz.figures import report
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.figures import batch_figure
-from specviz.page import figures
-from specviz.token_view import token_html
-from specviz.trace import SCHEMA_VERSION, Trace, TraceFormatError
+from specviz.figures.plots import batch_figure
+from specviz.page.actions import figures
+from specviz.figures.token_view import token_html
+from specviz.traces.trace import SCHEMA_VERSION, Trace, TraceFormatError
+from specviz.traces.json_format import load_trace, loads_trace
 
 from conftest import decode
 
@@ -46,7 +48,7 @@ def trace(tiny_pair, batch_prompts) -> Trace:
 def test_round_trip_is_equal(trace, tmp_path):
     path = tmp_path / "t.json"
     trace.save(path)
-    loaded = Trace.load(path)
+    loaded = load_trace(path)
     assert loaded == trace
     assert loaded.summary() == trace.summary()
     data = json.loads(path.read_text())
@@ -60,14 +62,14 @@ def test_round_trip_is_equal(trace, tmp_path):
 def test_version_1_traces_still_load_and_draw(tmp_path):
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(V1_TRACE))
-    trace = Trace.load(path)
+    trace = load_trace(path)
     assert trace.outputs == [[7, 8, 9, 10]] and trace.output_text == "w7 w8 w9 w10"
     assert [d.n_accepted for d in trace.decisions()] == [2, 1] and len(trace.steps) == 2
     assert trace.summary()["acceptance_rate"] == pytest.approx(3 / 4)
     drawn = figures(trace)
     assert drawn["tokens"].count("sv-line sv-lane") == 2 and "s1 γ" not in drawn["tokens"]
     trace.save(tmp_path / "again.json")  # exports as version 2
-    assert Trace.load(tmp_path / "again.json") == trace
+    assert load_trace(tmp_path / "again.json") == trace
 
 
 def test_batched_trace_draws_lanes(trace):
@@ -116,7 +118,7 @@ def test_malformed_trace_is_refused(trace, tmp_path, mutate, message):
     data = trace.to_dict()
     mutate(data)
     with pytest.raises(TraceFormatError, match=message):
-        Trace.load(_write(tmp_path, data))
+        load_trace(_write(tmp_path, data))
 
 
 @pytest.mark.parametrize(
@@ -132,7 +134,7 @@ def test_malformed_version_1_trace_is_refused(tmp_path, mutate, message):
     data = json.loads(json.dumps(V1_TRACE))
     mutate(data)
     with pytest.raises(TraceFormatError, match=message):
-        Trace.load(_write(tmp_path, data))
+        load_trace(_write(tmp_path, data))
 
 
 @pytest.mark.parametrize(
@@ -142,24 +144,24 @@ def test_malformed_version_1_trace_is_refused(tmp_path, mutate, message):
 )
 def test_not_a_trace(tmp_path, payload, message):
     with pytest.raises(TraceFormatError, match=message):
-        Trace.load(_write(tmp_path, payload))
+        load_trace(_write(tmp_path, payload))
 
 
 def test_binary_file_is_refused(tmp_path):
     path = tmp_path / "noise.json"
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(TraceFormatError, match="not a text file"):
-        Trace.load(path)
+        load_trace(path)
 
 
 def test_export_is_complete_or_absent(trace, monkeypatch, tmp_path):
     """Exports land whole under a readable name; a failing export leaves no partial file; old ones are pruned."""
-    from specviz import page
+    from specviz.page import actions as page
 
     monkeypatch.setattr(page, "EXPORT_DIR", tmp_path / "exports")
     monkeypatch.setattr(page, "EXPORTS_KEPT", 3)
     path = Path(page.export(trace))
-    assert Trace.load(path) == trace
+    assert load_trace(path) == trace
     assert re.fullmatch(r"specviz-summarize-exact-\d{8}-\d{4}\.json", path.name), path.name
     assert path.read_text().startswith('{\n  "meta"')  # pretty-printed for people who open it
     broken = Trace(meta={"mode": "exact", "bad": object()}, sequences=trace.sequences, steps=trace.steps)
@@ -181,22 +183,22 @@ def test_export_is_complete_or_absent(trace, monkeypatch, tmp_path):
 def test_loads_refuses_what_cannot_be_written_back(trace):
     data = trace.to_dict()
     text = json.dumps(data)
-    assert Trace.loads(text) == trace
+    assert loads_trace(text) == trace
     with pytest.raises(TraceFormatError, match="not a number"):
-        Trace.loads(text.replace('"total_s": ', '"total_s": NaN, "x": ', 1))
+        loads_trace(text.replace('"total_s": ', '"total_s": NaN, "x": ', 1))
     data["meta"]["note"] = "\ud800"
     with pytest.raises(TraceFormatError, match="not valid Unicode"):
-        Trace.loads(json.dumps(data))
+        loads_trace(json.dumps(data))
     deep: object = "deep"
     for _ in range(40):
         deep = [deep]
     data["meta"]["note"] = deep
     with pytest.raises(TraceFormatError, match="nests deeper"):
-        Trace.loads(json.dumps(data))
+        loads_trace(json.dumps(data))
     data["meta"]["note"] = "fine"
     data["meta"]["wer"] = "0.1"
     with pytest.raises(TraceFormatError, match="meta.wer"):
-        Trace.loads(json.dumps(data))
+        loads_trace(json.dumps(data))
 
 
 def _v1_text(edit=None, text_edit=None) -> str:
@@ -224,12 +226,12 @@ def _all_discarded(data):
         "every outcome discarded"])
 def test_reported_v1_traces_are_refused_with_a_message(text, message):
     with pytest.raises(TraceFormatError, match=message):
-        Trace.loads(text)
+        loads_trace(text)
 
 
 def test_null_meta_values_are_absent_values():
     """meta.config: null once raised AttributeError in the checks; null now means the key is absent."""
-    trace = Trace.loads(_v1_text(lambda d: d["meta"].update(config=None, target_only=None, wer=None)))
+    trace = loads_trace(_v1_text(lambda d: d["meta"].update(config=None, target_only=None, wer=None)))
     assert "config" not in trace.meta and "target_only" not in trace.meta
     page.figures(trace, None)
     report.summary_markdown(trace)
@@ -243,7 +245,7 @@ def test_exports_from_many_sessions_and_processes_at_once_never_fail(monkeypatch
     import sys
     import threading
 
-    from specviz import page
+    from specviz.page import actions as page
 
     monkeypatch.setattr(page, "EXPORT_DIR", tmp_path / "exports")
     for _ in range(page.EXPORTS_KEPT):

@@ -11,11 +11,13 @@ from html.parser import HTMLParser
 
 import pytest
 
-from specviz import page, report
+from specviz.page import actions as page
+from specviz.figures import report
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.token_view import token_html
-from specviz.trace import Trace, TraceFormatError
-from specviz.why_panel import why_html
+from specviz.figures.token_view import token_html
+from specviz.traces.trace import TraceFormatError
+from specviz.traces.json_format import loads_trace
+from specviz.figures.why_panel import why_html
 
 from conftest import decode
 from test_trace import V1_TRACE
@@ -151,7 +153,7 @@ def test_trace_fuzz(bases, capsys):
         text = mutate(base, rng)
         tally["tried"] += 1
         try:
-            trace = Trace.loads(text)
+            trace = loads_trace(text)
         except TraceFormatError as e:
             tally["refused"] += 1
             assert str(e) and "float, got float" not in str(e)

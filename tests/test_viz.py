@@ -11,14 +11,12 @@ from html.parser import HTMLParser
 import plotly.graph_objects as go
 import pytest
 
-from specviz.figures import (GAMMA_COLORS, acceptance_figure, batch_figure, compare_figure, gamma_figure,
-                              theory_figure, timing_figure, verify_figure)
-from specviz.compare import Row
-from specviz.records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Decision, Examined, StepRecord,
-                             TopTokens)
-from specviz.token_view import token_html
-from specviz.trace import SequenceTrace, Trace
-from specviz.why_panel import why_html
+from specviz.figures.plots import (GAMMA_COLORS, acceptance_figure, batch_figure, compare_figure, gamma_figure, theory_figure, timing_figure, verify_figure)
+from specviz.runs.compare import Row
+from specviz.decoding.records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Decision, Examined, StepRecord, TopTokens)
+from specviz.figures.token_view import token_html
+from specviz.traces.trace import SequenceTrace, Trace
+from specviz.figures.why_panel import why_html
 
 HOSTILE = '"><img src=x onerror=alert(1)>'
 
@@ -359,8 +357,8 @@ def test_compare_figure_error_bars_from_rounds():
 def test_why_panel_shows_ten_bars_and_always_the_drafted_token():
     """Of 20 recorded tokens the panel draws 10, plus the drafted one when it ranks lower; the hidden ones'
     mass joins "other tokens"."""
-    from specviz.records import TopTokens
-    from specviz.why_panel import WHY_ROWS, _bars
+    from specviz.decoding.records import TopTokens
+    from specviz.figures.why_panel import WHY_ROWS, _bars
 
     probs = [0.5 / 20] * 20
     top = TopTokens(ids=list(range(20)), texts=[f"t{i}" for i in range(20)], probs=probs, rest=0.5)

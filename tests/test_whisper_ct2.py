@@ -18,12 +18,12 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-from specviz import whisper_loader
-from specviz.ct2_format import CT2FormatError, bf16_bits_to_float32, read_ct2
-from specviz.models import ModelLoadError
-from specviz.whisper_ct2 import to_whisper, whisper_generation_config
-from specviz.whisper_loader import EmbeddedCT2, ensure_embedded_whisper, load_whisper
-from specviz.whisper_tokenizer import _repair_merges, whisper_tokenizer
+from specviz.speech import whisper_loader
+from specviz.speech.ct2_format import CT2FormatError, bf16_bits_to_float32, read_ct2
+from specviz.models.loading import ModelLoadError
+from specviz.speech.whisper_ct2 import to_whisper, whisper_generation_config
+from specviz.speech.whisper_loader import EmbeddedCT2, ensure_embedded_whisper, load_whisper
+from specviz.speech.whisper_tokenizer import _repair_merges, whisper_tokenizer
 
 # ---------------------------------------------------------------------------------------------------------------
 # A CT2 writer: the format the reader must accept, written independently from the description.

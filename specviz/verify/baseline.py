@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SamplingConfig
-from ..sampling import standardize
-from .verdict import Verdict, accept_probs
+from specviz.config import SamplingConfig
+from specviz.sampling import standardize
+from specviz.verify.verdict import Verdict, accept_probs
 
 
 def verify_baseline(

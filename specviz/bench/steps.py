@@ -1,0 +1,64 @@
+"""What one model call costs: prefill, and a decoding step scoring M tokens after it (docs/benchmarks.md).
+
+A step is timed the way the driver makes it: the decoder's cache holds the prompt, M tokens are fed, the
+logits of all M are kept (as verification keeps γ + 1), then the M slots are rolled back so that every
+repeat sees the same cache. Warm-up first, then the median of `repeat` calls per M.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from specviz.bench.measure import _median_us
+from specviz.models.packed import PackedLinear
+from specviz.text.source import CausalLMDecoder
+
+_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear  # the int8 draft's layers (specviz.models.quant)
+
+
+@torch.inference_mode()
+def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: int = 5,
+               warmup: int = 2) -> dict:
+    """{"prefill_s": seconds for the prompt, "steps": [{"tokens": M, "seconds": median, "ratio": to M = 1}]}."""
+    decoder = CausalLMDecoder(model, vocab, 1)
+    t0 = time.perf_counter()
+    decoder.prefill([prompt])
+    prefill_s = time.perf_counter() - t0
+    fed = decoder.fed(0)
+    feed = prompt[-1:] + prompt[:max(tokens)]  # real tokens, so attention and the head see ordinary input
+
+    rows = []
+    for m in tokens:
+        def step(m=m):
+            decoder.forward([feed[:m]], m)
+            decoder.rollback([fed])
+        rows.append({"tokens": m, "seconds": _median_us(step, warmup, repeat) / 1e6})
+    base = next((r["seconds"] for r in rows if r["tokens"] == 1), rows[0]["seconds"])
+    for r in rows:
+        r["ratio"] = r["seconds"] / base
+    return {"prefill_s": prefill_s, "prompt_tokens": len(prompt), "steps": rows}
+
+
+def _linears(model) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (PackedLinear, nn.Linear, _INT8_LINEAR))]
+
+
+def weight_bytes(model) -> int:
+    """Bytes of linear-layer weights one step reads (packed blocks and scales, or dense/int8 tensors)."""
+    total = 0
+    for m in _linears(model):
+        if isinstance(m, PackedLinear):
+            total += m.packed().nbytes
+        elif isinstance(m, _INT8_LINEAR):
+            total += m.weight().numel()
+        else:
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def linear_params(model) -> int:
+    """Multiply-adds per token in linear layers (the output head counted once per scored token)."""
+    return sum(m.in_features * m.out_features for m in _linears(model))

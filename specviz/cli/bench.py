@@ -1,0 +1,244 @@
+"""`python -m specviz bench-*`: the benchmarks behind docs/benchmarks.md, each printing a table and
+optionally writing its JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specviz.cli import common
+from specviz import machine
+from specviz.text.prompts import InputError
+from specviz.runs.decode import run
+from specviz.runs.settings import SPEECH, TEXT, add_flags
+from specviz.text.source import article_source
+
+
+def cmd_bench_speech_draft(args: argparse.Namespace) -> int:
+    from specviz.bench.measure import speech_draft_layers
+    from specviz.speech.asr import parse_layers
+
+    clips = common.clips(args.inputs)
+    cfg = common.config(args, SPEECH, 1, mode="exact")
+    pair = common.load_speech(args)
+    reference = Path(args.reference_file).read_text(encoding="utf-8") if args.reference_file else None
+    layer_sets = [parse_layers(spec) for spec in args.layers]
+    rows = speech_draft_layers(pair, clips, layer_sets, cfg, reference, repeat=args.repeat)
+    print(f"{'draft':28s} {'α':>6s} {'accept':>7s} {'tok/iter':>8s} {'decode s':>9s} {'speedup':>8s}")
+    for r in rows:
+        print(f"{r['draft']:28s} {common.fmt(r.get('alpha'), '6.3f'):>6s} {common.fmt(r.get('acceptance_rate'), '7.3f'):>7s} "
+              f"{common.fmt(r.get('tokens_per_iteration'), '8.2f'):>8s} {r['decode_s']:9.3f} {r['speedup']:7.2f}×")
+    print(f"\n{pair.target_name}, {str(pair.dtype).removeprefix('torch.')}, {machine.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine.describe(), "input": args.inputs, "repeat": args.repeat,
+                                               "statistic": "median decode time (prefill excluded), after a warm-up",
+                                               "config": cfg.to_dict(), "rows": rows}, indent=2))
+    return 0
+
+
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from specviz.bench.measure import batch_scaling
+
+    articles = common.articles(args)
+    if len(articles) != 1:
+        raise InputError("bench-batch draws B samples of one article: give one article (or none for the sample)")
+    cfg = common.config(args, TEXT, 1)
+    pair = common.load_text(args)
+    with tqdm(total=len(args.batches) * 2 * args.repeat, desc="bench-batch", unit="run", file=sys.stderr) as bar:
+        def on_run(name: str) -> None:
+            bar.set_postfix_str(name)
+            bar.update(1)
+        rows = batch_scaling(pair, articles[0][1], args.batches, cfg, repeat=args.repeat, policy=args.gamma_policy,
+                             on_run=on_run)
+    print(f"{'B':>2s} {'policy':6s} {'run':12s} {'tok/s':>7s} {'tok/s/seq':>9s} {'decode tok/s/seq':>16s} "
+          f"{'α':>6s} {'tok/iter/seq':>12s} {'target calls':>12s} {'padding':>7s} {'holes':>6s}")
+    for r in rows:
+        for name in ("target_only", "speculative"):
+            m = r[name]
+            print(f"{r['batch']:2d} {r['gamma_policy']:6s} {name:12s} {m['tokens_per_s']:7.2f} "
+                  f"{m['tokens_per_s_per_sequence']:9.3f} {m['decode_tokens_per_s_per_sequence']:16.3f} "
+                  f"{common.fmt(m['alpha'], '6.3f'):>6s} {common.fmt(m['tokens_per_iteration_per_sequence'], '12.2f'):>12s} "
+                  f"{m['target_calls']:12d} {common.fmt(m['padding_fraction'], '7.3f'):>7s} {common.fmt(m['cache_hole_fraction'], '6.3f'):>6s}")
+        print(f"   speedup: total {r['speedup_total']:.2f}×, per sequence {r['speedup_per_sequence']:.2f}× "
+              f"(decode only {r['speedup_decode_per_sequence']:.2f}×)")
+    dtype = str(pair.dtype).removeprefix("torch.")
+    print(f"\n{pair.draft_name} → {pair.target_name}, {dtype}, {machine.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": machine.describe(), "models": f"{pair.draft_name} → {pair.target_name}", "dtype": dtype,
+            "input": args.inputs or ["sample article"], "repeat": args.repeat, "config": cfg.to_dict(),
+            "statistic": "per side, the median run by decode time of `repeat` interleaved rounds, after a warm-up",
+            "rows": rows}, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_steps(args: argparse.Namespace) -> int:
+    """One model call's cost by weights format: prefill, and a step scoring M tokens (docs/benchmarks.md)."""
+    import torch
+
+    from specviz.bench.steps import linear_params, step_costs, weight_bytes
+    from specviz.models.loading import load_model, parse_dtype
+    from specviz.text.prompts import max_prompt_tokens, summarization_prompt
+    from specviz.models.quant import quantize_draft_int8
+
+    article = common.articles(args)[0][1]
+    device = torch.device(args.device or "cpu")
+    variants = [(role, w) for role in ("target", "draft") for w in args.weights_list]
+    if "dense" in args.weights_list:
+        variants.append(("draft", "dense int8"))
+    rows = []
+    for role, weights in tqdm(variants, desc="bench-steps", unit="model", file=sys.stderr):
+        name = args.target if role == "target" else args.draft
+        model, tokenizer, label = load_model(name, role, device=device, dtype=parse_dtype(args.dtype or "fp32"),
+                                             weights=weights.split()[0])
+        if weights == "dense int8":
+            model = quantize_draft_int8(model)
+        prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))
+        costs = step_costs(model, model.config.vocab_size, prompt[:-1], args.tokens, repeat=args.repeat)
+        rows.append({"role": role, "model": label, "weights": weights, "bytes_per_step": weight_bytes(model),
+                     "linear_macs_per_token": linear_params(model), **costs})
+        del model
+    print(f"{'role':6s} {'weights':11s} {'GB/step':>7s} {'prefill s':>9s} " + " ".join(f"{m:>9d}" for m in args.tokens)
+          + "   (ms per step scoring M tokens; × its 1-token step)")
+    for r in rows:
+        cells = " ".join(f"{1e3 * s['seconds']:6.0f}" + (f" {s['ratio']:.1f}×" if s['tokens'] != 1 else "   ")
+                         for s in r["steps"])
+        print(f"{r['role']:6s} {r['weights']:11s} {r['bytes_per_step'] / 1e9:7.2f} {r['prefill_s']:9.2f} {cells}")
+    print(f"\n{machine.describe()}; prompt {rows[0]['prompt_tokens']} tokens; median of {args.repeat} after 2 warm-ups")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine.describe(), "repeat": args.repeat,
+                                               "statistic": "median seconds per call after 2 warm-up calls",
+                                               "rows": rows}, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_drafts(args: argparse.Namespace) -> int:
+    from specviz.bench.drafts import speech_draft_figures, text_draft_figures
+
+    if len(args.inputs) > 1:
+        raise InputError("bench-drafts measures one input")
+    audio = bool(args.inputs) and common.is_audio(args.inputs[0])
+    cfg = common.config(args, SPEECH if audio else TEXT, 1, mode="exact")
+    if audio:
+        from specviz.speech.asr import SpeechSource
+
+        pair = common.load_speech(args)
+        source = SpeechSource(pair, common.clips(args.inputs)[:1], args.language)
+        if len(source.sequences) > 1:
+            raise InputError("bench-drafts measures one 30 s window: give a clip of at most 30 s")
+        output = run(source, cfg, target_only=True).outputs[0]
+        figures = speech_draft_figures(source, output, args.ks, args.repeat)
+    else:
+        articles = common.articles(args)
+        pair = common.load_text(args)
+        source = article_source(pair, articles[:1], cfg)
+        output = run(source, cfg, target_only=True).outputs[0]
+        figures = text_draft_figures(pair, source.sequences[0].prompt_ids, output, args.ks, args.repeat)
+    print(f"{'K':>7s} {'+prompt':>7s} {'size':>7s} {'greedy agree':>12s} {'α (T=1)':>8s}")
+    for r in figures["vocab"]:
+        print(f"{r['k'] or 'all':>7} {str(r['prompt_tokens']):>7s} {r['size']:7d} {r['greedy_agreement']:12.3f} "
+              f"{r['alpha_t1']:8.3f}")
+    print(f"model draft: {figures['model_run_length']:.2f} tokens kept in a row per position (γ = 8, greedy)")
+    for r in figures["lookup"]:
+        print(f"lookup n ≥ {r['ngram']}: proposes at {r['hit_rate']:.1%} of positions, {r['kept_per_hit']:.2f} tokens "
+              "kept per proposal")
+    for r in figures["draft_steps"]:
+        print(f"draft step, head of {r['size']:,} tokens: {r['draft_step_ms']:.1f} ms")
+    if "target_step_ms" in figures:
+        print(f"target step: {figures['target_step_ms']:.1f} ms")
+    dtype = str(pair.dtype).removeprefix("torch.")
+    print(f"\n{pair.draft_name} → {pair.target_name}, {dtype}, {len(output)} output tokens, {machine.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": machine.describe(), "models": f"{pair.draft_name} → {pair.target_name}", "dtype": dtype,
+            "input": args.inputs or ["sample article"], "repeat": args.repeat, "config": cfg.to_dict(),
+            "statistic": "teacher-forced along the target-only greedy output; step times: median of `repeat`",
+            **figures}, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from specviz.bench.measure import verify_microbench
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"{'V':>7s} {'B':>2s} {'γ':>3s} {'dtype':5s} {'mode':8s} {'path':6s} {'call µs':>9s} {'no-check':>9s} "
+          f"{'GPU µs':>8s} {'host µs':>8s} {'× base':>7s} {'floor MB':>9s} {'GB/s':>7s}")
+
+    def us(v: float | None, width: int) -> str:
+        return f"{v:{width}.1f}" if v is not None else f"{'-':>{width}s}"
+
+    def show(r: dict) -> None:
+        speedup = f"{r['speedup']:7.2f}" if r["speedup"] is not None else f"{'-':>7s}"
+        print(f"{r['V']:7d} {r['B']:2d} {r['gamma']:3d} {r['dtype']:5s} {r['mode']:8s} {r['path']:6s} "
+              f"{us(r['call_us'], 9)} {us(r['nocheck_us'], 9)} {us(r['gpu_us'], 8)} {us(r['host_us'], 8)} {speedup} "
+              f"{r['floor_bytes'] / 1e6:9.2f} {r['achieved_GBps']:7.1f}", flush=True)
+
+    rows = verify_microbench(device, vocabs=args.vocab, gammas=args.gamma, batches=args.batch, dtypes=args.dtype,
+                             warmup=args.warmup, iters=args.iters, top_k=args.top_k, top_p=args.top_p,
+                             on_case=show)
+    print(f"\n{machine.describe()}; median of {args.iters} calls after {args.warmup} warm-up calls. call: wall time "
+          "until the results are on the host (kernel path: with its input checks, one readback); no-check: "
+          "the kernels with check=False until the stream is idle; GPU: CUDA events around the kernel launches; "
+          "host = call - GPU; × base: the baseline's call time over this row's")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine.describe(), "device": str(device),
+                                               "warmup": args.warmup, "iters": args.iters, "top_k": args.top_k, "top_p": args.top_p,
+                                               "rows": rows}, indent=2))
+    return 0
+
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """The bench-* subcommands."""
+    b = sub.add_parser("bench-speech-draft", help="acceptance and speed of self-speculative Whisper drafts by layer set")
+    common.add_common(b, "audio")
+    b.add_argument("--layers", nargs="+", default=["layers:0,1,2,4,5", "layers:0,1,2,3,5", "layers:0,1,2,3,4",
+                                                   "layers:0,1,2,5", "layers:0,1,4,5", "layers:0,5"])
+    b.add_argument("--reference-file", help="reference transcript, for the target's WER")
+    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("--json", metavar="FILE")
+    b.set_defaults(func=cmd_bench_speech_draft)
+    bb = sub.add_parser("bench-batch", help="batched speculative vs batched target-only decoding for several batch sizes")
+    common.add_common(bb)
+    add_flags(bb, ["mode"])
+    bb.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    bb.add_argument("--repeat", type=int, default=3)
+    bb.add_argument("--json", metavar="FILE")
+    bb.set_defaults(func=cmd_bench_batch)
+    bs = sub.add_parser("bench-steps", help="a model call's cost by weights format: prefill and a step scoring M tokens")
+    common.add_common(bs)
+    bs.add_argument("--weights-list", nargs="+", default=["packed", "packed-a8", "dense"],
+                    choices=["packed", "packed-a8", "dense"])
+    bs.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16])
+    bs.add_argument("--repeat", type=int, default=5)
+    bs.add_argument("--json", metavar="FILE")
+    bs.set_defaults(func=cmd_bench_steps)
+    bd = sub.add_parser("bench-drafts", help="acceptance vs draft vocabulary size, prompt-lookup hit rate, draft step "
+                        "times, teacher-forced along the target's output (text or one audio window)")
+    common.add_common(bd, "either")
+    bd.add_argument("--ks", type=int, nargs="+", default=[0, 1024, 4096, 8192, 16384, 32768],
+                    help="draft vocabulary sizes (0 = all)")
+    bd.add_argument("--repeat", type=int, default=9, help="timed draft steps per size")
+    bd.add_argument("--json", metavar="FILE")
+    bd.set_defaults(func=cmd_bench_drafts)
+    bv = sub.add_parser("bench-verify", help="µs per verification call: modes × paths × V × γ × B × dtype")
+    bv.add_argument("--device", default=None)
+    bv.add_argument("--vocab", type=int, nargs="+", default=[51_865, 151_936, 256_000])
+    bv.add_argument("--gamma", type=int, nargs="+", default=[1, 5, 10, 20])
+    bv.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    bv.add_argument("--dtype", nargs="+", default=["fp16", "fp32"], choices=["fp16", "bf16", "fp32"])
+    bv.add_argument("--warmup", type=int, default=10)
+    bv.add_argument("--iters", type=int, default=50)
+    bv.add_argument("--top-k", type=int, default=0, help="add top-k to the sampling (in-kernel on the kernel path)")
+    bv.add_argument("--top-p", type=float, default=1.0, help="add top-p to the sampling (in-kernel on the kernel path)")
+    bv.add_argument("--json", metavar="FILE")
+    bv.set_defaults(func=cmd_bench_verify)

@@ -1,0 +1,161 @@
+"""What the CLI's commands share: their flags (settings from specviz.runs.settings), reading inputs, loading
+models with a progress bar, and resolving the settings into a SpecConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from specviz.speech.audio import load_audio, windows
+from specviz.config import SpecConfig
+from specviz.models.loading import WEIGHTS, ModelPair, load_pair
+from specviz.text.prompts import InputError, check_article_size, sample_article
+from specviz.runs.decode import DEFAULT_BATCH
+from specviz.runs.settings import Settings, add_flags
+
+class LoadProgress:
+    """Model-loading progress on stderr: a bar for stages with a known length, a line for the others."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+        self.stage = ""
+
+    def __call__(self, message: str, fraction: float | None) -> None:
+        if message != self.stage:
+            self.close()
+            self.stage = message
+            if fraction is None:
+                print(f"specviz: {message}", file=sys.stderr)
+            else:
+                self.bar = tqdm(total=100, desc=message, unit="%", file=sys.stderr, leave=False)
+        if self.bar is not None and fraction is not None:
+            self.bar.update(round(100 * fraction) - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
+    """Options every decoding command shares; inputs is 'text', 'audio' or 'either'."""
+    audio = inputs != "text"
+    src = p.add_argument_group("input")
+    if inputs == "audio":
+        src.add_argument("inputs", nargs="+", metavar="AUDIO",
+                         help="audio files (WAV, FLAC, OGG, MP3, ... anything libsndfile reads), decoded as one batch")
+    else:
+        src.add_argument("inputs", nargs="*", metavar="ARTICLE" if not audio else "INPUT",
+                         help="article files to summarize as one batch ('-' for stdin)"
+                         + ("; or audio files to transcribe" if audio else "") + "; default: the bundled sample article")
+    add_flags(src, ["max_new_tokens"] + (["sequences"] if inputs != "audio" else []))
+    if audio:
+        src.add_argument("--language", default="en", help="spoken language for a multilingual Whisper (default en)")
+    m = p.add_argument_group("models")
+    add_flags(m, ["draft", "target"])
+    m.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                   help="default: fp32 on the CPU (no fast bf16 matrix multiply there), bf16 for the text pair on CUDA; "
+                   "fp32 for Whisper")
+    m.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="text models on the CPU: 'packed' multiplies straight from a GGUF model's quantized blocks "
+                   "(specviz's CPU kernel; fp32 activations), 'dense' uses the dequantized fp32 weights (the same "
+                   "model, ~5× the memory traffic per step), 'packed-a8' the same blocks times 8-bit activations "
+                   "quantized per row (integer dot products, as llama.cpp runs the file: a slightly different "
+                   "target, still batch-invariant); auto: packed-a8 (packed without AVX2) wherever the model comes from a "
+                   "GGUF file")
+    m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    m.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None,
+                   help="int8 draft weights (default: on for the CPU, where its step is the fastest measured; "
+                   "--no-draft-int8: the draft follows --weights; the target is never quantized)")
+    add_flags(m, ["draft_kind", "lookup_ngram", "draft_vocab"])
+    add_flags(p.add_argument_group("sampling (applied identically to draft and target)"),
+              ["temperature", "top_k", "top_p", "seed"])
+    v = p.add_argument_group("speculation")
+    v.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                   help=f"sequences decoded together at most (default {DEFAULT_BATCH}); more run in consecutive groups")
+    add_flags(v, ["gamma_policy", "gamma_init", "lenience", "verify_backend", "draft_confidence", "sigmoid_alpha",
+                  "sigmoid_beta"])
+
+
+def config(args: argparse.Namespace, task: str, batch: int, mode: str | None = None) -> SpecConfig:
+    """The settings on the command line resolved for `task` (specviz.runs.settings: the one resolution of "auto"),
+    the γ policy's default for `batch` sequences in batches of --batch-size; `mode` overrides --mode."""
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    settings = Settings.from_args(args)
+    if mode is not None:
+        settings = dataclasses.replace(settings, mode=mode)
+    return settings.spec(task, batch=min(batch, args.batch_size))
+
+
+def read_article(arg: str) -> str:
+    if arg == "-":
+        return sys.stdin.read()
+    path = Path(arg)
+    if not path.is_file():
+        raise InputError(f"no such file: {arg}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{arg} is not UTF-8 text; give an article as a text file") from None
+
+
+def articles(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(label, text) per article; refuses an empty one before minutes go into loading models."""
+    if not args.inputs:
+        return [("sample article", sample_article())]
+    if args.inputs.count("-") > 1:
+        raise InputError("stdin ('-') can be read only once")
+    out = []
+    for arg in args.inputs:
+        text = read_article(arg)
+        label = "stdin" if arg == "-" else Path(arg).name
+        if not text.strip():
+            raise InputError(f"the article is empty ({label}): give a file with some text to summarize")
+        check_article_size(text)
+        out.append((label, text))
+    return out
+
+def load_text(args: argparse.Namespace) -> ModelPair:
+    progress = LoadProgress()
+    try:
+        return load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
+                         draft_int8=args.draft_int8, weights=args.weights, progress=progress)
+    finally:
+        progress.close()
+
+def window_count(clips: list) -> int:
+    """Sequences a speech batch will have: one per 30 s window of every clip."""
+    return sum(len(windows(audio)) for _, audio in clips)
+
+
+def load_speech(args: argparse.Namespace):
+    from specviz.speech.asr import load_speech_pair
+
+    progress = LoadProgress()
+    try:
+        return load_speech_pair(args.target, args.draft, device=args.device, dtype=args.dtype or "fp32",
+                                draft_int8=args.draft_int8, progress=progress)
+    finally:
+        progress.close()
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au", ".caf", ".w64", ".rf64"}
+
+
+def is_audio(arg: str | None) -> bool:
+    return arg is not None and Path(arg).suffix.lower() in AUDIO_SUFFIXES
+
+
+def clips(paths: list[str]) -> list[tuple[str, np.ndarray]]:
+    return [(Path(p).name, load_audio(p)) for p in paths]
+
+

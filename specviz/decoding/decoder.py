@@ -1,0 +1,203 @@
+"""Slotted KV caches: one model's side of a ragged batch, where rejected drafts and padding stay as masked holes.
+
+Every row of a cache has the same length, and each forward appends the same number of slots to every row,
+right-aligned, so a row that feeds fewer tokens gets padding slots. Rejected drafts and padding stay behind
+as masked slots ("holes"): the attention mask hides them and explicit position ids count only a row's valid
+tokens, so every row computes what it would compute alone. Holes rather than moving accepted entries into
+place (the realignment that costs eBay's batched decoding up to 40% of its compute): a hole costs one
+masked key per layer in later attention and nothing else, and trailing slots that no row uses are cropped.
+Both costs are measured per iteration (StepRecord). Prompts of different lengths are prefilled one by one
+(no padded compute) and merged, left-padded, into one cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specviz.models.prompt_cache import Layers, PromptCache
+
+PAD_ID = 0  # the token fed into padding slots; they are masked, so which token it is does not matter
+
+
+class SlottedDecoder:
+    """One model's side of a batch: a KV cache whose slots are, per row, a valid token or a hole.
+
+    Subclasses say how to build a cache and run the model (`_new_cache`, `_run`); this class keeps the
+    slot bookkeeping: `slots[r]` lists the cache slot of every token row r has fed, in order, and `valid`
+    ([B, L] bool, on the model's device) is the attention mask over the cache.
+    """
+
+    def __init__(self, batch: int, device: torch.device, prompt_cache: PromptCache | None = None):
+        self.device = device
+        self.prompt_cache = prompt_cache  # prompts read before (by any decoder of this model); None: always prefill
+        self.prompts_reused = 0  # prompts taken from it by this decoder
+        self.cache = self._new_cache()
+        self.valid = torch.zeros((batch, 0), dtype=torch.bool, device=device)  # [B, L]
+        self.slots: list[list[int]] = [[] for _ in range(batch)]
+        self.real_fed = 0  # tokens fed for real since the last take_counts()
+        self.pad_fed = 0  # padding fed beside them
+
+    # ---- model-specific ----------------------------------------------------------------------
+    def _new_cache(self):
+        raise NotImplementedError
+
+    def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, keep: int,
+             cache, rows: list[int]) -> torch.Tensor:
+        """input_ids, position_ids [b, W]; attention_mask [b, L+W] over the cache and the new tokens; rows:
+        which batch rows these are (speech picks their encoder output). Returns float logits [b, keep, V]."""
+        raise NotImplementedError
+
+    def _select_rows(self, index: torch.Tensor) -> None:  # index LongTensor[b]
+        """Keep only batch rows `index` of whatever else the subclass holds per row."""
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return len(self.slots)
+
+    def fed(self, row: int) -> int:
+        """How many of row's tokens the cache holds."""
+        return len(self.slots[row])
+
+    # Whether rows with identical prompts may share one prefill (copied into each row afterwards). Not for
+    # encoder-decoder models: there the cache also holds each row's own cross-attention keys and values.
+    shares_identical_prompts = True
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Feed each row its tokens into an empty cache. Identical prompts (N samples of one input) are fed
+        once and copied; equal lengths: one batched forward; otherwise one forward per row, merged into a
+        left-padded cache so that no compute goes into padding."""
+        unique = list(dict.fromkeys(tuple(p) for p in prompts))
+        if self.shares_identical_prompts and len(unique) < len(prompts):
+            self.valid = self.valid[: len(unique)]
+            self.slots = [[] for _ in unique]
+            self._prefill_distinct([list(u) for u in unique])
+            self.select([unique.index(tuple(p)) for p in prompts])
+            return
+        self._prefill_distinct(prompts)
+
+    def _prefill_distinct(self, prompts: list[list[int]]) -> None:
+        lengths = {len(p) for p in prompts}
+        if len(lengths) == 1 and self.prompt_cache is None:
+            if lengths != {0}:
+                self.forward(prompts, 1)
+            self.take_counts()
+            return
+        width = max(lengths)
+        if width == 0:
+            self.take_counts()
+            return
+        per_row = [self._prompt_layers(r, prompt) for r, prompt in enumerate(prompts)]
+        self.cache = self._merge(per_row, [len(p) for p in prompts], width)
+        self.valid = torch.zeros((len(prompts), width), dtype=torch.bool, device=self.device)
+        for r, prompt in enumerate(prompts):
+            self.valid[r, width - len(prompt):] = True
+            self.slots[r] = list(range(width - len(prompt), width))
+        self.take_counts()
+
+    def _prompt_layers(self, row: int, prompt: list[int]) -> Layers | None:
+        """Row's keys and values for its prompt alone: from the prompt cache, or computed (and stored)."""
+        if not prompt:
+            return None
+        key = tuple(prompt)
+        if self.prompt_cache is not None and (layers := self.prompt_cache.get(key)) is not None:
+            self.prompts_reused += 1
+            return layers
+        cache = self._new_cache()
+        ids = torch.tensor([prompt], device=self.device)
+        ones = torch.ones_like(ids, dtype=torch.long)
+        self._run(ids, ones, torch.arange(len(prompt), device=self.device)[None], 1, cache, [row])
+        source = _self_attention_layers(cache)
+        if source is not cache:
+            raise NotImplementedError("prompts of different lengths need a decoder-only cache")
+        layers = tuple((layer.keys, layer.values) for layer in source.layers)
+        if self.prompt_cache is not None:
+            self.prompt_cache.put(key, layers)
+        return layers
+
+    def _merge(self, rows: list[Layers | None], lengths: list[int], width: int):
+        """One cache of batch len(rows) from single-row keys and values, each left-padded with zeros to `width`."""
+        merged = self._new_cache()
+        layers = _self_attention_layers(merged)
+        donor = next(r for r, n in zip(rows, lengths) if n)
+        for i, (ref_k, ref_v) in enumerate(donor):  # [1, heads, n, head_dim]
+            keys, values = [], []
+            for row, n in zip(rows, lengths):
+                k = ref_k.new_zeros(1, ref_k.shape[1], width, ref_k.shape[3])
+                v = ref_v.new_zeros(1, ref_v.shape[1], width, ref_v.shape[3])
+                if n:
+                    k[:, :, width - n:] = row[i][0]
+                    v[:, :, width - n:] = row[i][1]
+                keys.append(k)
+                values.append(v)
+            layers.update(torch.cat(keys), torch.cat(values), i)
+        return merged
+
+    def forward(self, feeds: list[list[int]], keep: int) -> torch.Tensor:
+        """Feed row r the tokens feeds[r] (counts may differ, 0 included), right-aligned so that every
+        row's last token sits in the last column. Returns logits [B, keep, V] of the last `keep` columns."""
+        B, L = self.batch, self.valid.shape[1]
+        width = max(len(f) for f in feeds)
+        ids = torch.full((B, width), PAD_ID, dtype=torch.long)
+        positions = torch.zeros((B, width), dtype=torch.long)
+        new = torch.zeros((B, width), dtype=torch.bool)
+        for r, feed in enumerate(feeds):
+            k = len(feed)
+            if k:
+                start = len(self.slots[r])
+                ids[r, width - k:] = torch.tensor(feed)
+                positions[r, width - k:] = torch.arange(start, start + k)
+                new[r, width - k:] = True
+            self.slots[r].extend(range(L + width - k, L + width))
+        self.real_fed += sum(len(f) for f in feeds)
+        self.pad_fed += B * width - sum(len(f) for f in feeds)
+        self.valid = torch.cat([self.valid, new.to(self.device)], dim=1)
+        return self._run(ids.to(self.device), self.valid.long(), positions.to(self.device), keep, self.cache,
+                         list(range(B)))
+
+    def rollback(self, keep: list[int]) -> None:
+        """Row r keeps its first keep[r] fed tokens; the slots of the rest become holes."""
+        rows, cols = [], []
+        for r, n in enumerate(keep):
+            dropped = self.slots[r][n:]
+            if dropped:
+                rows += [r] * len(dropped)
+                cols += dropped
+                del self.slots[r][n:]
+        if cols:
+            self.valid[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = False
+        self._crop_unused_tail()
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows, in this order (sequences that finished leave the batch; a prefill shared by
+        identical prompts is copied into each of their rows)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.valid.shape[1]:
+            self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+        self.slots = [list(self.slots[r]) for r in rows]  # copies: a row may be selected twice
+        self._select_rows(index)
+        self._crop_unused_tail()
+
+    def _crop_unused_tail(self) -> None:
+        length = self.valid.shape[1]
+        used = max((s[-1] + 1 for s in self.slots if s), default=0)
+        if used < length:
+            self.cache.crop(used - length)  # transformers 5 takes the number of slots to drop, negative
+            self.valid = self.valid[:, :used]
+
+    def take_counts(self) -> tuple[int, int]:
+        """(real, padding) tokens fed since the last call."""
+        counts = (self.real_fed, self.pad_fed)
+        self.real_fed = self.pad_fed = 0
+        return counts
+
+    def cache_use(self) -> tuple[int, int]:
+        """(slots, holes): rows × cache length, and how many of those entries are masked."""
+        slots = self.valid.numel()
+        return slots, slots - sum(len(s) for s in self.slots)
+
+
+def _self_attention_layers(cache):
+    """The self-attention part of a cache (an encoder-decoder cache also holds cross-attention)."""
+    return getattr(cache, "self_attention_cache", cache)

@@ -1,0 +1,227 @@
+"""γ policies: how many tokens the draft proposes next, from what the last iterations showed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+from specviz import theory
+from specviz.decoding.cost import MAX_GAMMA, CostModel, RunningAcceptance, speedups
+from specviz.decoding.records import Decision
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What one iteration tells a policy."""
+
+    gamma: int  # the policy's γ for this iteration (0: a plain target step, nothing drafted)
+    drafted: Sequence[int]  # tokens each sequence drafted (≤ γ: a confidence stop or the token limit ends some early)
+    n_accepted: Sequence[int]  # one count per sequence in the batch
+    # sequence → min(1, p/q) at its drafted tokens examined (up to the first rejection), in position order
+    examined: Mapping[int, Sequence[float]]
+    draft_s: float  # time spent drafting (max(drafted) batched draft forwards)
+    target_s: float  # time of the one target forward that scored them
+
+    @classmethod
+    def of(cls, gamma: int, decisions: Sequence[Decision], *, draft_s: float, target_s: float) -> Feedback:
+        """What an iteration's decisions (one per sequence, row order) tell a policy; α's samples are each
+        decision's examined_accept_probs, the one definition the trace and the figures read too."""
+        return cls(gamma=gamma, drafted=[d.gamma for d in decisions], n_accepted=[d.n_accepted for d in decisions],
+                   examined={d.sequence: d.examined_accept_probs for d in decisions}, draft_s=draft_s,
+                   target_s=target_s)
+
+    @property
+    def accept_probs(self) -> list[float]:
+        """Every examined draft's min(1, p/q), all sequences together."""
+        return [a for probs in self.examined.values() for a in probs]
+
+
+class Policy(Protocol):
+    """Chooses γ for the next iteration and learns from each one's feedback."""
+
+    name: str
+
+    def current(self) -> int:
+        """γ for the next iteration (0: a plain target step)."""
+        ...
+
+    def update(self, fb: Feedback) -> None:
+        ...
+
+
+def _any_accepted_all(fb: Feedback) -> bool:
+    """Some sequence kept every token it drafted."""
+    return any(n == d for n, d in zip(fb.n_accepted, fb.drafted))
+
+
+class Constant:
+    name = "constant"
+
+    def __init__(self, gamma: int = 5):
+        self.gamma = gamma
+
+    def current(self) -> int:
+        return self.gamma
+
+    def update(self, fb: Feedback) -> None:
+        pass
+
+
+class HFHeuristic:
+    """transformers' 'heuristic' schedule: +2 when every drafted token was accepted, else -1 (minimum 1)."""
+
+    name = "hf"
+
+    def __init__(self, gamma: int = 5):
+        self.gamma = gamma
+
+    def current(self) -> int:
+        return self.gamma
+
+    def update(self, fb: Feedback) -> None:
+        if _any_accepted_all(fb):
+            self.gamma += 2
+        else:
+            self.gamma = max(1, self.gamma - 1)
+
+
+class BASS:
+    """BASS Algorithm 1 (Qian et al.): grow when any sequence accepted all, shrink faster on repeated misses."""
+
+    name = "bass"
+
+    def __init__(self, gamma: int = 7, incre: int = 2, mod: int = 10, limit: int = 32):
+        self.gamma, self.incre, self.mod, self.limit = gamma, incre, mod, limit
+        self.streak = 0  # s in the paper: 1 after a step that decreased
+
+    def current(self) -> int:
+        return self.gamma
+
+    def update(self, fb: Feedback) -> None:
+        best = max(fb.n_accepted)
+        if _any_accepted_all(fb):
+            self.gamma = min(self.gamma + self.incre, self.limit)
+            self.streak = 0
+        else:
+            self.gamma = self.gamma - math.ceil(self.gamma / self.mod) - self.streak
+            self.gamma = max(1, best, self.gamma)
+            self.streak = 1
+
+
+class Optimal:
+    """Leviathan §3.5: the γ maximizing (1 - α^{γ+1}) / ((1 - α)(γc + 1)) from running estimates.
+
+    α is the running mean of min(1, p/q) over examined drafted tokens (estimates 1 - D_LK); c is the
+    draft's time per token over the target's time per forward, both summed over all iterations so far.
+    """
+
+    name = "optimal"
+
+    def __init__(self, gamma: int = 5, max_gamma: int = 32):
+        self.gamma, self.max_gamma = gamma, max_gamma
+        self.prob_sum = 0.0
+        self.prob_count = 0
+        self.draft_s = 0.0
+        self.draft_tokens = 0
+        self.target_s = 0.0
+        self.target_calls = 0
+
+    def current(self) -> int:
+        return self.gamma
+
+    @property
+    def alpha(self) -> float:
+        return self.prob_sum / self.prob_count if self.prob_count else 0.0
+
+    @property
+    def c(self) -> float:
+        if not self.draft_tokens or not self.target_s:
+            return 0.0
+        return (self.draft_s / self.draft_tokens) / (self.target_s / self.target_calls)
+
+    def update(self, fb: Feedback) -> None:
+        self.prob_sum += sum(fb.accept_probs)
+        self.prob_count += len(fb.accept_probs)
+        self.draft_s += fb.draft_s
+        self.draft_tokens += max(fb.drafted)  # draft forwards: the batch drafts its rows together
+        self.target_s += fb.target_s
+        self.target_calls += 1
+        alpha = min(max(self.alpha, 0.0), 0.999)  # α → 1 would make every γ look free
+        self.gamma = theory.optimal_gamma(alpha, self.c, self.max_gamma)
+
+
+class CostAware:
+    """Each iteration, the γ with the highest expected tokens per second (specviz.decoding.cost): the measured cost
+    of every call (the target's by the tokens it scores, the draft's step, verification) against the
+    expected tokens from α by draft position, per sequence of the batch. γ = 0, a plain target step, when
+    no γ is expected to beat it. The first γ comes from the calibrated costs and the prior α.
+
+    Plain steps teach it nothing about the draft, so while it steps plainly it drafts now and then (a
+    probe), so that a draft that got better on an easier stretch of text is found again. A probe costs
+    what its iteration is expected to lose against a plain step plus the draft's catching up on the tokens
+    it missed; probes are spaced so that they take about EXPLORE_SHARE of the plain steps' time (every
+    2 to 64 plain steps): often where drafting nearly pays, rarely where it is far from paying."""
+
+    name = "cost"
+    EXPLORE_SHARE = 0.03
+    PROBE_MIN, PROBE_MAX = 2, 64
+
+    def __init__(self, gamma: int | None = None, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
+        # costs: the run's measurements, written by the driver after each iteration and read here, in the
+        # driver's thread. gamma: the first γ; None decides it from the costs (4 without any).
+        self.gamma, self.costs, self.max_gamma = gamma, costs, max_gamma
+        self.acceptance = RunningAcceptance()
+        self.plain_run = 0  # plain steps since the last iteration that drafted
+        self.expected: tuple[int, float] | None = None  # (γ, expected speedup) of the last decision
+
+    def current(self) -> int:
+        if self.gamma is None:
+            ready = self.costs is not None and self.costs.ready
+            batch = min(b for b, _ in self.costs.curve) if ready and self.costs.curve else 1
+            self.gamma = self._decide([None] * batch) if ready else 4
+        return self.gamma
+
+    def update(self, fb: Feedback) -> None:
+        self.acceptance.add(fb.examined)
+        self.plain_run = self.plain_run + 1 if fb.gamma == 0 else 0
+        if self.costs is not None and self.costs.ready:
+            rows = sorted(fb.examined) or [None]
+            self.gamma = self._decide(rows if len(rows) > 1 else [None])
+
+    def _decide(self, rows: list) -> int:
+        batch = len(rows)
+        alphas = [self.acceptance.alphas(seq, self.max_gamma) for seq in rows]
+        table = speedups(self.costs, batch, alphas, self.max_gamma)
+        gamma = max(range(self.max_gamma + 1), key=lambda g: (table[g], -g))
+        self.expected = (gamma, table[gamma])
+        if gamma > 0:
+            return gamma
+        probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
+        return probe if self.plain_run >= self.probe_after(batch, probe, table[probe]) else 0
+
+    def probe_after(self, batch: int, gamma: int, speedup: float) -> int:
+        """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE. A probe
+        at γ takes iteration_s(γ) plus the draft catching up (about one more draft step) where plain steps
+        would have made the same tokens in speedup · iteration_s(γ)."""
+        steps = self.costs.iteration_s(batch, gamma) / self.costs.plain_s(batch)
+        loss = steps * (1 - speedup) + self.costs.draft_s(batch) / self.costs.plain_s(batch)
+        return min(self.PROBE_MAX, max(self.PROBE_MIN, math.ceil(loss / self.EXPLORE_SHARE)))
+
+
+_POLICIES = {"constant": Constant, "hf": HFHeuristic, "bass": BASS, "optimal": Optimal, "cost": CostAware}
+
+
+def default_policy(batch: int) -> str:
+    """BASS Algorithm 1 for batches, transformers' heuristic for one sequence. (`cost` measured better on
+    text, docs/benchmarks.md, but its γ follows measured time, so a seeded sampled run no longer repeats
+    across machines: not the default yet.)"""
+    return "bass" if batch > 1 else "hf"
+
+
+def make_policy(name: str, initial: int | None = None, costs: CostModel | None = None) -> Policy:
+    """A fresh policy; `initial` overrides its starting γ (hf/constant/optimal: 5, bass: 7, cost: from the
+    calibrated costs); the cost-aware policy reads the run's measured costs."""
+    cls = _POLICIES[name]
+    kwargs = {"costs": costs} if cls is CostAware else {}
+    return cls(**kwargs) if initial is None else cls(initial, **kwargs)

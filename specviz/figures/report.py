@@ -1,0 +1,191 @@
+"""What the page writes about a trace: the run summary, its measured speedup, the sigmoid warning, the
+comparison notes. Built from a trace alone (a loaded trace is untrusted: every string is escaped).
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+from specviz import speedup
+from specviz.traces.prediction import predict, sentence
+from specviz.speedup import Speedup
+from specviz.traces.trace import Trace, json_number
+
+# sigmoid is called far from exact when its acceptance exceeds exact's on the same draws by more than this
+# share of the examined drafts, or when p̂ differs from p by more than this total variation on average.
+SIGMOID_FAR_INFLATION = 0.05
+SIGMOID_FAR_TV = 0.1
+
+
+def number(meta: dict, key: str) -> float | None:
+    return json_number(meta.get(key)) if isinstance(meta, dict) else None
+
+
+def reference_meta(reference: Trace, reused: bool, measured_at: float) -> dict[str, Any]:
+    """What a run keeps (trace.meta["target_only"]) about the target-only run it is measured against."""
+    return {"tokens_per_s": reference.tokens_per_s, "decode_tokens_per_s": reference.decode_tokens_per_s,
+            "prefill_s": reference.prefill_s, "new_tokens": reference.new_tokens, "reused": reused,
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(measured_at)),
+            "outputs": reference.outputs}
+
+
+def measured_speedup(trace: Trace) -> Speedup | None:
+    """The run's speedup over the target-only reference recorded in the trace (meta["target_only"])."""
+    ref = trace.target_only
+    if ref is None or not trace.decode_tokens_per_s:
+        return None
+    return speedup.measured(trace.decode_tokens_per_s, trace.tokens_per_s, number(ref, "decode_tokens_per_s"),
+                            number(ref, "tokens_per_s"))
+
+
+def _speedup_line(trace: Trace) -> str:
+    if trace.mode == "target-only":
+        return ""
+    measured = measured_speedup(trace)
+    if measured is None:
+        return ("Speedup not measured: tick “Measure the speedup against target-only” to run target-only on the "
+                "same input and settings once.")
+    ref = trace.target_only
+    verdict = "faster" if measured.decode > 1.02 else "slower" if measured.decode < 0.98 else "no faster"
+    same = ref.get("outputs") == trace.outputs
+    output_note = ("identical output" if same else
+                   "different output (sampling: both follow the target's distribution, from different draws)"
+                   if trace.temperature else "different output")
+    when = html.escape(str(ref.get("measured_at", "")))[:40]
+    return (f"**Measured: {measured.decode:.2f}× target-only's decoding speed ({verdict})**, "
+            f"{measured.end_to_end:.2f}× end to end (prefill included) · target-only decoded "
+            f"{number(ref, 'decode_tokens_per_s'):.2f} tokens/s on the same input and settings "
+            f"({'reused from a run at ' if ref.get('reused') else 'run at '}{when}; {output_note}) · one run each: "
+            f"Compare repeats runs and shows their spread")
+
+
+def prediction_markdown(trace: Trace) -> str:
+    """The predicted speedup from the run's measured costs, where an iteration's time went, and why."""
+    p = predict(trace)
+    if p is None:
+        return ""
+    ms = {k: 1e3 * v for k, v in p.split_s.items()}
+    rows = f" (batch of {p.batch})" if p.batch > 1 else ""
+    return (f"**Predicted: {p.speedup:.2f}×** from this run's measured call costs and α by draft position (a "
+            f"prediction, beside the measurement above) · a drafting iteration{rows} at γ = {p.gamma}, medians: draft "
+            f"{ms['draft']:.0f} ms + target {ms['target']:.0f} ms + verify {ms['verify']:.1f} ms + other "
+            f"{ms['other']:.1f} ms, against {1e3 * p.plain_s:.0f} ms per target-only step · tokens per "
+            f"iteration: {p.measured_tokens_per_iteration:.2f} kept, {p.tokens_per_iteration:.2f} predicted  \n"
+            f"{html.escape(sentence(p))}")
+
+
+def summary_markdown(trace: Trace) -> str:
+    s = trace.summary()
+    lines = []
+    if trace.stopped:
+        lines.append(f"**Stopped** after {len(trace.steps)} iterations: the trace holds what was decoded so far.")
+    reused = number(trace.meta, "prompts_reused")
+    prefill = f"prefill {s['prefill_s']:.2f} s" + (" (prompt read before: its keys and values reused)" if reused else "")
+    lines.append(f"**{html.escape(str(s['mode']))[:40]}** · {s['new_tokens']} tokens · {prefill} · "
+                 f"decoding {s['decode_s']:.2f} s → **{s['decode_tokens_per_s']:.2f} tokens/s decoding** "
+                 f"({s['tokens_per_s']:.2f} tokens/s with prefill) · {s['target_forward_passes']} target forward passes")
+    if line := _speedup_line(trace):
+        lines.append(line)
+    if line := prediction_markdown(trace):
+        lines.append(line)
+    if s["sequences"] > 1:
+        line = (f"{s['sequences']} sequences, batch of {trace.batch_size} · {s['tokens_per_s_per_sequence']:.2f} tokens/s "
+                f"per sequence (each sequence's tokens over the time until it finished)")
+        if s.get("padding_fraction") is not None:
+            line += (f" · raggedness: {100 * s['padding_fraction']:.1f}% of the tokens fed were padding, "
+                     f"{100 * (s.get('cache_hole_fraction') or 0):.1f}% of KV-cache entries were masked holes")
+        lines.append(line)
+    if "alpha" in s:
+        lines.append(f"α ≈ {s['alpha']:.3f} (mean of min(1, p/q) over the drafts verification examined: the chance "
+                     f"a draft passes) · acceptance rate {s['acceptance_rate']:.3f} (accepted / drafted: drafts after a "
+                     f"rejection count as not accepted) · tokens per iteration {s['tokens_per_iteration']:.2f} "
+                     f"(Leviathan predicts {s['predicted_tokens_per_iteration']:.2f} from α and γ)"
+                     + (f" · median verify {1e3 * s['median_verify_ms']:.0f} µs per call"
+                        if s.get("median_verify_ms") is not None else ""))
+    if (wer := number(trace.meta, "wer")) is not None:
+        lines.append(f"WER against the reference: {wer:.3f}")
+    if (rouge := number(trace.meta, "rouge1")) is not None:
+        lines.append(f"ROUGE-1 F against the reference: {rouge:.3f}")
+    names = {k: html.escape(str(trace.meta.get(k)))[:200] for k in ("draft", "target", "device", "dtype")}
+    lines.append(f"draft {names['draft']} → target {names['target']} on {names['device']}, {names['dtype']}")
+    weights = {k: html.escape(str(trace.meta.get(k) or ""))[:200] for k in ("draft_weights", "target_weights")}
+    if weights["target_weights"]:
+        lines.append(f"the target's linear layers: {weights['target_weights']} · the draft's: {weights['draft_weights']}")
+    if "alpha" in s:
+        lines.append(draft_line(trace, s))
+    if s.get("explain_s"):
+        lines.append(f"Recording the distributions for “why?” took {s['explain_s']:.2f} s, left out of every time above.")
+    return "  \n".join(lines)
+
+
+def draft_line(trace: Trace, s: dict[str, Any]) -> str:
+    """Which draft ran, the vocabulary its head scored, and what a draft step cost against a target call."""
+    config = trace.config
+    kind = str(config.get("draft_kind", "model"))
+    vocab, size = number(trace.meta, "vocab_size"), number(trace.meta, "draft_vocab_size")
+    parts = [f"drafted by {html.escape(kind)[:40]}"]
+    if s.get("lookup_share") and kind != "lookup":
+        parts.append(f"prompt lookup drafted {100 * s['lookup_share']:.0f}% of the proposals")
+    if kind != "lookup" and size is not None and vocab is not None:
+        parts.append(f"draft head over {int(size):,} of {int(vocab):,} tokens" if size < vocab
+                     else f"draft head over all {int(vocab):,} tokens")
+    if s.get("cost_ratio") is not None:
+        parts.append(f"measured c = {s['cost_ratio']:.2f} (seconds per draft step / per target call)")
+    return " · ".join(parts)
+
+
+def sigmoid_warning(trace: Trace) -> str:
+    """HTML for a sampled sigmoid run: how far its decisions are from exact's on the same draws; a visible
+    warning when they are far. Empty for any other run."""
+    gap = trace.sigmoid_gap()
+    if gap is None:
+        return ""
+    far = gap["inflation"] > SIGMOID_FAR_INFLATION or gap["mean_tv"] > SIGMOID_FAR_TV
+    n = gap["examined"]
+    text = (f"sigmoid accepted {gap['accepted']} of the {n} drafts it examined; exact verification, with the same "
+            f"uniforms, would have accepted {gap['exact_would_accept']} ({100 * gap['inflation']:+.1f} points of "
+            f"acceptance; {gap['disagreements']} decisions differ). Its p̂ differs from the target's p by a total "
+            f"variation of {gap['mean_tv']:.2f} on average (at most {gap['max_tv']:.2f}).")
+    if far:
+        return (f'<div class="sv-warning" role="alert"><b>⚠ sigmoid is far from exact here</b>: {text} The output '
+                f"does not follow the target's distribution; α and the speedup shown are not comparable with exact "
+                f"runs. Narrow the sigmoid range or use exact.</div>")
+    return f'<div class="sv-note">sigmoid is close to exact on this run: {text}</div>'
+
+
+def sigmoid_drift(traces: dict[str, Trace]) -> str:
+    """How far sigmoid strays from exact in a comparison: output agreement and acceptance inflation."""
+    exact, sigmoid = traces.get("exact"), traces.get("sigmoid")
+    if not exact or not sigmoid:
+        return ""
+    a_ids = [t for ids in exact.outputs for t in ids]
+    b_ids = [t for ids in sigmoid.outputs for t in ids]
+    same = sum(a == b for a, b in zip(a_ids, b_ids))
+    n = max(len(a_ids), len(b_ids), 1)
+    first_diff = next((i for i, (a, b) in enumerate(zip(a_ids, b_ids)) if a != b), None)
+    ra, rb = exact.acceptance_rate() or 0.0, sigmoid.acceptance_rate() or 0.0
+    sampled = bool(exact.temperature)
+    line = (f"**sigmoid vs exact** ({'sampled' if sampled else 'greedy: sigmoid cannot differ from exact'}): "
+            f"{same}/{n} output tokens identical"
+            + (f" (first difference at token {first_diff})" if first_diff is not None else "")
+            + f"; acceptance rate {rb:.3f} vs {ra:.3f} ({rb - ra:+.3f}).")
+    if (gap := sigmoid.sigmoid_gap()) is not None:
+        line += (f" On the same draws exact would have accepted {gap['exact_would_accept']} of the "
+                 f"{gap['accepted']} drafts sigmoid accepted; mean TV(p̂, p) {gap['mean_tv']:.2f}.")
+    return line
+
+
+def compare_note(rounds: int, noise: float, decoding: str) -> str:
+    """What the comparison table's numbers are and how noisy they came out."""
+    if rounds < 2:
+        spread = "one round: no spread measured; the same comparison twice can differ by tens of percent on a loaded machine"
+    else:
+        spread = (f"{rounds} interleaved rounds: each speedup is the median of per-round ratios (decoding: "
+                  f"prefill left out; end to end: prefill included), the end-to-end one with the lowest and highest "
+                  f"beside it; tokens/s varied by up to {100 * noise:.0f}% between rounds")
+        if noise > 0.15:
+            spread += " (**noisy**: differences smaller than that are not measured)"
+    return (f"Decoding: {html.escape(decoding)}. {spread}. Verification is a small share of each iteration on a CPU: "
+            f"its time cannot explain large tokens/s gaps.")

@@ -1,0 +1,223 @@
+"""A model whose linear layers read their GGUF weights in packed form (specviz.models.gguf_pack) on the CPU.
+
+Decoding on a CPU is bound by reading weights: the dequantized fp32 target reads 6.2 GB per step, its
+Q4_K_M blocks hold 0.9 GB. `pack_gguf` packs (and checks) a GGUF file's blocks for every nn.Linear of a
+transformers model loaded from it, and `apply_packed` swaps those layers for PackedLinear, which multiplies
+straight from the blocks (kernels/qmatmul_cpu.cpp); norms,
+embeddings, attention and biases stay as they were, in fp32.
+
+Contract — a stated target, batch-invariant:
+- Each packed weight is checked against the dense weight transformers dequantized from the same file before
+  it is used (equal up to the last fp32 rounding). With fp32 activations (`--weights packed`) the packed
+  target and `--weights dense` are one model.
+- With 8-bit activations (`--weights packed-a8`, llama.cpp's way of running the same file) each row of a
+  layer's input is quantized on its own, per group of 32 (scale = max|x| / 127): a different target from
+  the dense one (its logits measured against it in docs/benchmarks.md), named in every trace.
+- Either way a position's logits do not depend on what else is scored in the same call: never a per-call
+  activation scale, and the kernel computes every output row with the same operations in the same order
+  whatever the number of rows (bitwise; tested), prefill included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specviz.models import cpu_attention, cpu_kernels
+from specviz.models.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
+
+FORMAT_VERSION = 2  # bump whenever the kernels read the packed bytes differently (v1: another nibble order)
+PACKED_FILE = "packed.safetensors"
+
+# GGUF tensor names (llama.cpp's qwen2/llama layout) -> transformers module names
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class PackedLinear(nn.Module):
+    """y = x · Wᵀ + b with W packed; a drop-in nn.Linear for fp32 inputs on the CPU, which the kernel
+    multiplies as they are or, with int8_activations, quantized per row and group of 32."""
+
+    def __init__(self, packed: Packed, bias: torch.Tensor | None, int8_activations: bool = False):
+        super().__init__()
+        self.kind, self.source, self.int8_activations = packed.kind, packed.source, int8_activations
+        self.out_features, self.in_features = packed.shape
+        self.register_buffer("q", packed.q, persistent=False)
+        self.register_buffer("scale", packed.scale, persistent=False)
+        self.register_buffer("minv", packed.minv, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    def packed(self) -> Packed:
+        return Packed(self.kind, self.q, self.scale, self.minv, self.source)
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weight [N, K]."""
+        if self.kind == "q4":
+            return cpu_kernels.q4_dequant(self.q, self.scale, self.minv)
+        return cpu_kernels.q8_dequant(self.q, self.scale)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:  # rows [M, K] fp32 contiguous -> [M, N]
+        if self.kind == "q4":
+            return cpu_kernels.q4_matmul(rows, self.q, self.scale, self.minv, self.bias, self.int8_activations)
+        return cpu_kernels.q8_matmul(rows, self.q, self.scale, self.bias, self.int8_activations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
+        step = cpu_kernels.max_rows()
+        if rows.shape[0] <= step:
+            y = self._matmul(rows)
+        else:  # a long prefill: the same kernel over chunks of rows (each row's result is the same either way)
+            y = torch.cat([self._matmul(rows[i:i + step]) for i in range(0, rows.shape[0], step)])
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def select_rows(self, ids: torch.Tensor) -> "PackedLinear":
+        """A PackedLinear computing only outputs `ids` (LongTensor [K]); the rows keep their own scales."""
+        sub = Packed(self.kind, self.q.index_select(0, ids), self.scale.index_select(0, ids),
+                     None if self.minv is None else self.minv.index_select(0, ids), self.source)
+        return PackedLinear(sub, None if self.bias is None else self.bias.index_select(0, ids), self.int8_activations)
+
+    def extra_repr(self) -> str:
+        activations = "int8" if self.int8_activations else "fp32"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} from {self.source}, "
+                f"{activations} activations")
+
+
+class PackingError(ValueError):
+    """A GGUF file's blocks cannot stand in for the model's linear layers; the message says which and why."""
+
+
+def _linear_names(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _candidates(module: str, tensors: dict) -> list[str]:
+    """GGUF tensor names that may hold the weight of transformers module `module`."""
+    if module == "lm_head":
+        return [n for n in ("output.weight", "token_embd.weight") if n in tensors]  # tied heads read token_embd
+    parts = module.split(".")
+    if len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
+        sub = ".".join(parts[3:])
+        for gguf, hf in _LAYER_NAMES.items():
+            if hf == sub:
+                return [f"blk.{parts[2]}.{gguf}.weight"]
+    return []
+
+
+def _matches(packed: Packed, dense: torch.Tensor) -> bool:
+    if packed.shape != tuple(dense.shape):
+        return False
+    ref = dequantize_reference(packed)
+    return bool((ref - dense.float()).abs().max() <= 1e-6 * max(float(dense.abs().max()), 1e-30))
+
+
+def pack_gguf(model: nn.Module, gguf_path: Path, progress: Callable[[str, float | None], None] | None = None
+              ) -> dict[str, Packed]:
+    """Packed weights for every linear layer of `model` (loaded by transformers from gguf_path), each checked
+    against the model's own dense weight. Raises PackingError when a layer has no matching GGUF tensor."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    linears = _linear_names(model)
+    out = {}
+    for i, (name, linear) in enumerate(linears.items()):
+        if progress:
+            progress("packing the GGUF weights for the CPU kernels", i / len(linears))
+        found = None
+        for candidate in _candidates(name, tensors):
+            t = tensors[candidate]
+            try:
+                packed = pack(np.asarray(t.data), t.tensor_type, int(t.shape[-1]))
+            except UnsupportedBlocks as e:
+                raise PackingError(f"{name}: {e}") from None
+            if _matches(packed, linear.weight.detach()):
+                found = packed
+                break
+        if found is None:
+            raise PackingError(f"{name}: no tensor of {gguf_path.name} holds its weight "
+                               f"(tried {', '.join(_candidates(name, tensors)) or 'none'})")
+        out[name] = found
+    return out
+
+
+def save_packed(packed: dict[str, Packed], path: Path) -> None:
+    """Write packed weights to one safetensors file, whole or not at all."""
+    tensors, kinds = {}, {}
+    for name, p in packed.items():
+        tensors[f"{name}.q"] = p.q.contiguous()
+        tensors[f"{name}.scale"] = p.scale.contiguous()
+        if p.minv is not None:
+            tensors[f"{name}.minv"] = p.minv.contiguous()
+        kinds[name] = [p.kind, p.source]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"specviz_packed": json.dumps({"version": FORMAT_VERSION, "kinds": kinds})})
+    os.replace(tmp, path)
+
+
+def _packed_meta(path: Path) -> dict | None:
+    """The file's packing metadata when it is of this format version, else None (missing, unreadable, old)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("specviz_packed", "{}"))
+    except Exception:  # a missing or truncated file: rebuilt by the caller
+        return None
+    return meta if meta.get("version") == FORMAT_VERSION else None
+
+
+def packed_current(path: Path) -> bool:
+    """Whether `path` holds packed weights this version of the kernels reads."""
+    return _packed_meta(path) is not None
+
+
+def load_packed(path: Path) -> dict[str, Packed] | None:
+    """Packed weights saved by save_packed; None when the file is missing, unreadable or of another version."""
+    meta = _packed_meta(path)
+    if meta is None:
+        return None
+    tensors = load_file(str(path))
+    return {name: Packed(kind, tensors[f"{name}.q"], tensors[f"{name}.scale"], tensors.get(f"{name}.minv"), source)
+            for name, (kind, source) in meta["kinds"].items()}
+
+
+def apply_packed(model: nn.Module, packed: dict[str, Packed], int8_activations: bool = False) -> nn.Module:
+    """Replace model's linear layers by PackedLinear, in place; the dense weights they held are released."""
+    if int8_activations and not cpu_kernels.has_int8_activations():
+        raise PackingError("8-bit activations need the AVX2 build of the CPU kernels, which this machine lacks")
+    linears = _linear_names(model)
+    missing = linears.keys() - packed.keys()
+    if missing:
+        raise PackingError(f"no packed weight for {len(missing)} linear layers (e.g. {sorted(missing)[0]})")
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, linear in linears.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PackedLinear(packed[name], linear.bias, int8_activations))
+    if tied:  # the input embedding keeps its own dense weight; the head no longer shares it
+        model.config.tie_word_embeddings = False
+    cpu_attention.use(model)  # the rest of the forward batch-invariant too, bit for bit (cpu_attention)
+    return model
+
+
+def describe(model: nn.Module) -> str:
+    """What the model's linear layers run on, e.g. 'GGUF Q4_K/Q6_K blocks, specviz avx2 kernel'."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not layers:
+        return f"dense {str(next(model.parameters()).dtype).removeprefix('torch.')}"
+    sources = sorted({m.source for m in layers})
+    isa = "avx2" if cpu_kernels.vectorized() else "portable"
+    activations = "int8 activations (per row, groups of 32)" if layers[0].int8_activations else "fp32 activations"
+    attention = "batch-invariant attention" if model.config._attn_implementation == cpu_attention.NAME else \
+        f"{model.config._attn_implementation} attention"
+    return f"GGUF {'/'.join(sources)} blocks, specviz {isa} kernel, {activations}, {attention}"

@@ -1,0 +1,330 @@
+"""What the page's runs do, without Gradio: stream a run with Stop, measure target-only once per input, compare
+modes, draw and export a trace.
+
+specviz.page.handlers call these; each browser session keeps its own trace (in the page's state); the models and
+Stop flags sessions share are in specviz.page.sessions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import queue
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from specviz.evaluation import metrics
+from specviz.figures import report
+from specviz.speech.audio import load_audio
+from specviz.runs.compare import Row, compare, hf_assisted_runs, noise, source_runner
+from specviz.config import MODES, SpecConfig
+from specviz.decoding.source import Source
+from specviz.figures.plots import (acceptance_figure, batch_figure, gamma_figure, theory_figure, timing_figure, verify_figure)
+from specviz.models.loading import Progress
+from specviz.text.prompts import InputError, check_article_size
+from specviz.decoding.records import Iteration
+from specviz.runs.decode import builder_for, records
+from specviz.page.sessions import ModelCache, StopFlag
+from specviz.runs.settings import TEXT, Settings, declaration
+from specviz.text.source import article_source
+from specviz.figures.token_view import token_html
+from specviz.traces.trace import Trace
+from specviz.verify import kernels_active
+
+def device_summary() -> str:
+    if torch.cuda.is_available():
+        kernels = "CuPy kernels active" if kernels_active() else "torch path (CuPy kernels unavailable)"
+        return f"GPU: {torch.cuda.get_device_name(0)} · verification: {kernels}"
+    return f"CPU ({torch.get_num_threads()} threads) · verification: torch path"
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+RENDER_SHARE_INVERSE = 9  # after a redraw that took t seconds, wait 9 t: redraws take at most ~10% of a run
+
+
+def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag,
+              target_only: bool = False) -> Iterator[tuple[Trace, bool]]:
+    """Decode in a worker thread; yield (trace so far, finished) as iterations arrive.
+
+    The worker only produces immutable records and puts them on a queue; this generator, in the page's
+    thread, owns the TraceBuilder, so the trace it yields is never touched by another thread. When `stop` is
+    set (or this generator is closed) the worker ends after the iteration it is in and releases the models'
+    caches; the trace then ends there, marked stopped.
+    """
+    updates: queue.Queue = queue.Queue()
+    builder = builder_for(source, cfg, target_only=target_only, meta=meta)
+
+    def work() -> None:
+        events = records(source, cfg, target_only=target_only)
+        iterations = 0
+        try:
+            for event in events:
+                if stop.is_set():
+                    print(f"specviz: run stopped after {iterations} iterations ({stop.reason})", file=sys.stderr,
+                          flush=True)
+                    break
+                iterations += isinstance(event, Iteration)
+                updates.put(event)
+        except BaseException as e:  # re-raised in the page's thread, where the page reports it
+            updates.put(_Failure(e))
+        finally:
+            events.close()  # drops the KV caches now, not when the generator is collected
+            updates.put(None)
+
+    threading.Thread(target=work, daemon=True).start()
+    ended = False
+    next_update = 0.0
+    try:
+        while (item := updates.get()) is not None:
+            if isinstance(item, _Failure):
+                raise item.error
+            builder.add(item)
+            # Redraw when no newer iteration waits and the last redraw's share of the time stays small: the
+            # page renders on the cores that decode, and a redraw per iteration slowed decoding measurably.
+            if isinstance(item, Iteration) and updates.empty() and time.perf_counter() >= next_update:
+                start = time.perf_counter()
+                yield builder.trace, False
+                now = time.perf_counter()
+                next_update = now + RENDER_SHARE_INVERSE * (now - start)
+        ended = True
+        if stop.is_set():
+            builder.trace.meta["stopped"] = True
+        yield builder.trace, True
+    finally:
+        if not ended:  # closed early (an error, or Gradio dropped the stream): the worker must not go on
+            stop.stop("the page stopped reading the run")
+
+
+def _article_source(models: ModelCache, article: str, settings: Settings, cfg: SpecConfig,
+                    progress: Progress) -> Source:
+    if not article or not article.strip():
+        raise InputError("the article is empty: paste some text or load the sample")
+    check_article_size(article)  # before minutes go into loading models
+    low, high = declaration("sequences").page_range
+    if not low <= settings.sequences <= high:
+        raise InputError(f"the page decodes {low:g} to {high:g} sequences at once, not {settings.sequences}")
+    pair = models.text(settings.draft, settings.target, progress)
+    return article_source(pair, [("article", article)], cfg, settings.sequences)
+
+
+def _speech_source(models: ModelCache, audio_path: str | None, settings: Settings, cfg: SpecConfig,
+                   progress: Progress) -> Source:
+    from specviz.speech.asr import SpeechSource
+
+    if not audio_path:
+        raise InputError("no audio: upload or record a clip, or load the sample")
+    audio = load_audio(audio_path)
+    pair = models.speech(settings.draft, settings.target, progress)
+    return SpeechSource(pair, [(Path(audio_path).name, audio)], draft_vocab=cfg.draft_vocab)
+
+
+def _source(models: ModelCache, task: str, source_input: str | None, settings: Settings, cfg: SpecConfig,
+            progress: Progress) -> Source:
+    if task == TEXT:
+        return _article_source(models, source_input or "", settings, cfg, progress)
+    return _speech_source(models, source_input, settings, cfg, progress)
+
+
+def stream_run(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
+               stop: StopFlag) -> Iterator[tuple[Trace, bool]]:
+    """One run of the page: text (source_input is the article) or speech (a path to the audio)."""
+    cfg = settings.spec(task)
+    source = _source(models, task, source_input, settings, cfg, progress)
+    shown = source_input if task == TEXT else Path(source_input).name
+    meta = {"input": shown, "page_settings": settings.to_dict()}
+    return _streamed(source, cfg, meta, stop)
+
+
+class References:
+    """Target-only runs by input and settings, kept so that a run's measured speedup reuses the reference
+    of an identical earlier run instead of decoding it again. Shared by all sessions: the lock guards the
+    table, and a stored trace is never modified afterwards."""
+
+    def __init__(self, capacity: int = 16):
+        self._lock = threading.Lock()
+        self._runs: OrderedDict[tuple, tuple[Trace, float]] = OrderedDict()
+        self.capacity = capacity
+
+    @staticmethod
+    def key(task: str, source_input: str | None, settings: Settings) -> tuple:
+        """What target-only's output and speed depend on (nothing about the draft or verification)."""
+        if task == TEXT:
+            what = hashlib.sha256((source_input or "").encode("utf-8", "replace")).hexdigest()
+        else:
+            stat = Path(source_input or "").stat()
+            what = (str(Path(source_input or "").resolve()), stat.st_size, stat.st_mtime_ns)
+        sampling = settings.spec(task).sampling
+        return (task, what, settings.target, sampling, settings.max_new_tokens, settings.seed, settings.sequences)
+
+    def get(self, key: tuple) -> tuple[Trace, float] | None:
+        with self._lock:
+            if key in self._runs:
+                self._runs.move_to_end(key)
+            return self._runs.get(key)
+
+    def put(self, key: tuple, trace: Trace) -> float:
+        at = time.time()
+        with self._lock:
+            self._runs[key] = (trace, at)
+            while len(self._runs) > self.capacity:
+                self._runs.popitem(last=False)
+        return at
+
+
+def measure_reference(models: ModelCache, references: References, task: str, source_input: str | None,
+                      settings: Settings, progress: Progress, stop: StopFlag) -> dict[str, Any] | None:
+    """Target-only on the same input and settings (or an identical earlier one's): what the trace keeps
+    about it as meta["target_only"]. None when stopped."""
+    key = References.key(task, source_input, settings)
+    if (known := references.get(key)) is not None:
+        return report.reference_meta(known[0], reused=True, measured_at=known[1])
+    cfg = settings.spec(task)
+    source = _source(models, task, source_input, settings, cfg, progress)
+    trace = None
+    for trace, done in _streamed(source, cfg, {}, stop, target_only=True):
+        if not done:
+            progress(f"target-only reference: {trace.new_tokens} tokens", None)
+    if trace is None or trace.stopped:
+        return None
+    return report.reference_meta(trace, reused=False, measured_at=references.put(key, trace))
+
+
+def compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
+                  on_stage: Callable[[str], None], rounds: int = 3, with_hf: bool = False
+                  ) -> tuple[list[Row], dict[str, Trace], str]:
+    """Target-only, baseline, exact and sigmoid (and transformers' assisted generation when asked, text
+    with one sequence) on the same input, batch and seed, in `rounds` interleaved rounds. Returns the rows,
+    the median run of each, and a note on what the numbers mean and how noisy they were."""
+    if not 1 <= rounds <= 10:
+        raise InputError(f"a comparison runs 1 to 10 rounds, not {rounds}")
+    if with_hf and (task != TEXT or settings.sequences != 1):  # said before any model or input is loaded
+        raise InputError("transformers' assisted generation is compared on text with one sequence")
+    cfg = settings.spec(task)
+    decoded = _source(models, task, source_input, settings, cfg, progress)
+    extra = {}
+    if with_hf:
+        pair = models.text(settings.draft, settings.target, progress)
+        extra = {"hf-assisted": hf_assisted_runs(pair, decoded.sequences[0].prompt_ids, cfg)["hf-assisted"]}
+    rows, traces = compare(source_runner(decoded), dataclasses.replace(cfg, mode="exact"), extra=extra,
+                           repeat=rounds, on_stage=on_stage)
+    for trace in traces.values():
+        trace.meta.setdefault("page_settings", dataclasses.replace(
+            settings, mode=trace.mode if trace.mode in MODES else settings.mode).to_dict())
+        trace.meta.setdefault("input", source_input if task == TEXT else Path(source_input).name)
+    decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
+    note = report.compare_note(rounds, noise(rows), decoding)
+    drift = report.sigmoid_drift(traces)
+    return rows, traces, note + ("  \n" + drift if drift else "")
+
+
+def score(trace: Trace, task: str, reference: str) -> None:
+    """Against a reference the user typed: ROUGE-1 for a summary, WER for a transcript (kept in meta)."""
+    if not reference.strip():
+        return
+    trace.meta["reference"] = reference
+    name, value = metrics.score(task, reference, trace.output_text)
+    trace.meta[name] = value
+
+
+def figures(trace: Trace, upto: int | None = None) -> dict[str, Any]:
+    """Everything the page draws from a trace; `upto`: as it stood after that many iterations (replay)."""
+    shown = trace.until(upto)
+    measured = report.measured_speedup(trace) if shown is trace else None
+    return {
+        "tokens": token_html(trace, upto=upto),
+        "gamma": gamma_figure(trace, upto=upto),
+        "acceptance": acceptance_figure(trace, upto=upto),
+        "timing": timing_figure(trace, upto=upto),
+        "verify": verify_figure(trace, upto=upto),
+        "theory": theory_figure(trace, upto=upto, measured_speedup=measured.decode if measured else None),
+        "batch": batch_figure(trace, upto=upto),
+        "summary": report.summary_markdown(shown),
+        "warning": report.sigmoid_warning(shown),
+        "output": shown.output_text,
+    }
+
+
+# Inside Gradio's upload folder (its rule: $GRADIO_TEMP_DIR, else <tmp>/gradio), so Gradio serves an export where
+# it is; from any other folder it copied every export into its own, kept until the server stops.
+EXPORT_DIR = Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio").resolve() / \
+    "specviz-exports"
+EXPORTS_KEPT = 64  # the newest exports stay downloadable; older ones are deleted so the disk does not fill,
+EXPORT_MB_KEPT = 1000  # as are the oldest beyond this many MB (a 50 MB trace uploaded 64 times is 3.4 GB)
+
+
+def export_name(trace: Trace) -> str:
+    """specviz-<task>-<mode>-<YYYYmmdd-HHMM>.json, from the trace's own (untrusted) meta, made safe."""
+    def safe(value: Any, fallback: str) -> str:
+        return "".join(c for c in str(value) if c.isalnum() or c == "-")[:20] or fallback
+
+    return f"specviz-{safe(trace.task, 'run')}-{safe(trace.mode, 'run')}-" \
+           f"{time.strftime('%Y%m%d-%H%M')}.json"
+
+
+_PRUNING = threading.Lock()  # sessions export at once; one prunes at a time within this process
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # pruned meanwhile by another process sharing the folder
+        return None
+
+
+def _bytes(folder: Path) -> int:
+    """The bytes of the files in one export folder (0 for those removed meanwhile)."""
+    total = 0
+    for path in folder.glob("*"):
+        try:
+            total += path.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def download_folder() -> Path:
+    """A fresh folder for one download (an export, a sweep's results), so that two in one minute keep their
+    readable names; the oldest beyond EXPORTS_KEPT, or beyond EXPORT_MB_KEPT in all, are deleted so the disk
+    does not fill. Another process may prune the same folder at the same time: entries that vanish meanwhile
+    are skipped."""
+    EXPORT_DIR.mkdir(parents=True, exist_ok=True)
+    with _PRUNING:
+        dated = sorted((m, d) for d in EXPORT_DIR.iterdir() if (m := _mtime(d)) is not None and d.is_dir())
+        sizes = [_bytes(d) for _, d in dated]
+        total = sum(sizes)
+        for i, (_, path) in enumerate(dated):
+            if len(dated) - i < EXPORTS_KEPT and total <= EXPORT_MB_KEPT * 1e6:
+                break
+            shutil.rmtree(path, ignore_errors=True)
+            total -= sizes[i]
+        folder = EXPORT_DIR / secrets.token_hex(8)
+        folder.mkdir()
+    return folder
+
+
+def export(trace: Trace) -> str:
+    """Write the trace for a download (Trace.save: atomic, indented); returns the path. A failed export
+    leaves nothing behind."""
+    folder = download_folder()
+    final = folder / export_name(trace)
+    try:
+        trace.save(final)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return str(final)

@@ -1,0 +1,346 @@
+"""The page's event handlers: named inputs in, named component updates out.
+
+Each handler takes the page's shared `Server` and a dict of input values keyed by component name, and
+returns (or yields) a dict keyed by component name holding only what changes; app.py maps names to
+components and wires events. So every handler is importable and testable without a browser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import gradio as gr
+import pandas as pd
+
+from specviz.page import actions as page, sessions
+from specviz.memory import release_freed_memory
+from specviz.page.shelf import Ticket, TraceShelf, json_size
+from specviz.runs.compare import Row
+from specviz.evaluation.data import BUNDLED_SPEECH, BUNDLED_TEXT, describe, load_examples
+from specviz.evaluation.figures import tradeoff_figure, verify_gamma_figure
+from specviz.evaluation.results import Results, ResultsError, load_results, summarize, table1, table2
+from specviz.evaluation.run import Models, ResultsFile, SweepProgress, run_serial
+from specviz.text.prompts import ASSETS, InputError, sample_article
+from specviz.runs.settings import SPEECH, TEXT, Settings, page_names
+from specviz.evaluation.sweep import Grid
+from specviz.traces.trace import Trace, TraceFormatError
+from specviz.traces.json_format import load_trace
+from specviz.figures.plots import compare_figure
+from specviz.figures.why_panel import why_html
+
+Updates = dict[str, Any]
+Values = Mapping[str, Any]
+Progress = Callable[[str, "float | None"], None]
+
+SAMPLE_AUDIO = str(ASSETS / "sample_speech.flac")
+SAMPLE_TRANSCRIPT = (ASSETS / "sample_speech.txt").read_text(encoding="utf-8").strip()
+PLOTS = ("gamma", "acceptance", "timing", "verify", "theory", "batch")
+VIEW = ("output", "summary", "warning", "tokens", *(f"{name}_plot" for name in PLOTS))  # what a trace redraws
+COMPARE_COLUMNS = ("run", "tokens/s (median)", "speedup end to end (median)", "end to end min–max",
+                   "speedup decoding (median)", "decoding tokens/s", "α", "tokens / iteration", "verify µs (median)",
+                   "= target-only", "output")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who triggered an event: the browser session (its runs, its Stop) and where progress goes."""
+
+    session: str
+    progress: Progress
+
+
+@dataclass(frozen=True)
+class Server:
+    """What all sessions of one page share. Each member guards itself: models load once under a per-pair
+    lock, the Stop table, the reference table and the trace shelf take their own locks."""
+
+    models: sessions.ModelCache
+    stops: sessions.Stops
+    references: page.References
+    traces: TraceShelf  # every session's traces; a session's "trace" state holds only its shelf.Ticket
+
+
+def stamp(message: str) -> str:
+    """Status lines carry the time, so a repeated message still reads as new."""
+    return f'<span class="sv-status">[{time.strftime("%H:%M:%S")}] {message}</span>'
+
+
+def error(e: Exception) -> str:
+    return stamp(f'<span class="error">⚠ {type(e).__name__}: {html.escape(str(e))}</span>')
+
+
+def settings_of(values: Values) -> Settings:
+    return Settings.from_values({name: values[name] for name in page_names() if name in values})
+
+
+def views(trace: Trace, upto: int | None = None) -> Updates:
+    """Everything drawn from a trace; plots without content (a target-only run's γ) are hidden."""
+    f = page.figures(trace, upto)
+    drafted = bool(trace.drafted())
+    shown = {name: drafted or name == "timing" for name in PLOTS}
+    shown["batch"] = len(trace.sequences) > 1
+    return {"output": f["output"], "summary": f["summary"], "warning": f["warning"], "tokens": f["tokens"],
+            **{f"{name}_plot": gr.Plot(f[name], visible=shown[name]) for name in PLOTS}}
+
+
+def _replay_at_end(trace: Trace) -> gr.Slider:
+    return gr.Slider(minimum=0, maximum=max(len(trace.steps), 1), value=len(trace.steps))
+
+
+def _exported(server: Server, trace: Trace, ticket: Ticket | None = None) -> Updates:
+    """Export the trace for download and hold it on the shelf at the size of its file."""
+    path = page.export(trace)
+    return {"export": gr.DownloadButton(value=path, interactive=True),
+            "trace": server.traces.put(trace, Path(path).stat().st_size, ticket, file=Path(path))}
+
+
+GONE = ("This trace is no longer held by the server (it keeps the most recent ones); open its exported file "
+        "with “Load a trace” to see it again.")
+
+
+STARTS = ("run_button", "compare_button", "eval_button")  # what starts work in a session: one at a time
+
+
+def busy(values: Values) -> Updates:
+    """Run, Compare and Evaluate off, Stop on, while this session's work is queued or going."""
+    return {"status": stamp("Queued: waiting for a free worker…"), "stop_button": gr.Button(interactive=True),
+            **{name: gr.Button(interactive=False) for name in STARTS}}
+
+
+def idle(values: Values) -> Updates:
+    return {"stop_button": gr.Button(interactive=False), **{name: gr.Button(interactive=True) for name in STARTS}}
+
+
+def _source_input(values: Values) -> str | None:
+    return values["article"] if values["task"] == TEXT else values["audio"]
+
+
+def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    """Decode the input with the settings, streaming the trace; then measure target-only for the speedup
+    (reused when an identical run measured it). Any failure is shown in the status line."""
+    stop = server.stops.start(caller.session)
+    task, progress = values["task"], caller.progress
+    try:
+        settings = settings_of(values)
+        source_input = _source_input(values)
+        yield {"status": stamp("Loading models and reading the input…"), "export": gr.DownloadButton(interactive=False),
+               "results": gr.Tabs(selected="run-results")}
+        stream = page.stream_run(server.models, task, source_input, settings, progress, stop)
+        yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
+                               "the first iteration)…")}
+        trace, ticket = None, None
+        for trace, done in stream:
+            if done:
+                reference = values["reference_summary"] if task == TEXT else values["reference_transcript"]
+                page.score(trace, task, reference or "")
+                note = ("Stopped" if trace.stopped else "Done") + \
+                    f": {trace.new_tokens} tokens in {len(trace.steps)} iterations."
+                shown = _exported(server, trace, ticket)
+                ticket = shown["trace"]
+                yield {"status": stamp(note), **shown, "replay": _replay_at_end(trace), **views(trace)}
+            else:
+                # still growing: held at no size until it is done and exported (the shelf counts finished traces)
+                ticket = server.traces.put(trace, 0, ticket)
+                yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens"),
+                       "trace": ticket, "replay": _replay_at_end(trace), **views(trace)}
+        if trace is None or trace.stopped or not values["measure"]:
+            return
+        yield {"status": stamp("Done. Measuring target-only on the same input and settings for the speedup…")}
+        reference = page.measure_reference(server.models, server.references, task, source_input, settings, progress,
+                                           stop)
+        if reference is None:
+            yield {"status": stamp("Done (the target-only reference was stopped: speedup not measured).")}
+            return
+        trace.meta["target_only"] = reference
+        yield {"status": stamp(f"Done: {trace.new_tokens} tokens in {len(trace.steps)} iterations; speedup measured."),
+               **_exported(server, trace, ticket), **views(trace)}
+    except Exception as e:  # any failure is shown in the page, which stays usable
+        yield {"status": error(e)}
+    finally:
+        server.stops.end(caller.session, stop)
+
+
+def stop(server: Server, values: Values, caller: Caller) -> Updates:
+    if server.stops.stop(caller.session, "Stop pressed"):
+        return {"status": stamp("Stopping after the current iteration…")}
+    return {}
+
+
+def unload(server: Server, session: str) -> None:
+    server.stops.stop(session, "the browser session closed")
+
+
+def compare_table(rows: list[Row]) -> pd.DataFrame:
+    """The Compare tab's table: both speedups, named apart (compare.Row)."""
+    def cells(r: Row) -> tuple:
+        verify_us = None if r.median_verify_ms is None else 1e3 * r.median_verify_ms
+        return (r.name, r.tokens_per_s, r.speedup_end_to_end,
+                f"{r.speedup_end_to_end_min:.2f}–{r.speedup_end_to_end_max:.2f}", r.speedup_decode,
+                r.decode_tokens_per_s, r.alpha, r.tokens_per_iteration, verify_us, r.equals_target_only, r.output_text)
+
+    return pd.DataFrame([cells(r) for r in rows], columns=list(COMPARE_COLUMNS)).round(3)
+
+
+def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    """Every mode and target-only on the same input and seed, in interleaved rounds."""
+    try:
+        settings = settings_of(values)
+        rounds = int(values["rounds"])
+        yield {"status": stamp("Comparing: loading models…"), "results": gr.Tabs(selected="compare-results")}
+        stages: list[str] = []
+
+        def on_stage(name: str) -> None:
+            stages.append(name)
+            caller.progress(f"running {name} (run {len(stages)})", None)
+
+        rows, traces, note = page.compare_modes(server.models, values["task"], _source_input(values), settings,
+                                                caller.progress, on_stage, rounds=rounds, with_hf=bool(values["with_hf"]))
+        names = list(traces)
+        tickets = {name: server.traces.put(trace, json_size(trace)) for name, trace in traces.items()}
+        yield {"status": stamp(f"Comparison done: {rounds} round(s), same input and seed for every run."),
+               "compare_table": compare_table(rows), "compare_note": note, "compare_plot": compare_figure(rows),
+               "compare_state": tickets, "compare_pick": gr.Dropdown(choices=names, value=names[0] if names else None)}
+    except Exception as e:
+        yield {"status": error(e)}
+
+
+def opened(server: Server, trace: Trace, how: str) -> Updates:
+    """Show a trace in the main view with its settings and input restored, ready to export."""
+    text = trace.meta.get("input") if trace.task == TEXT else None
+    restored = Settings.from_meta(trace.meta).to_dict()
+    updates = {"status": stamp(how), **_exported(server, trace),
+               "results": gr.Tabs(selected="run-results"), "replay": _replay_at_end(trace), **views(trace),
+               **{name: restored[name] for name in page_names()}}
+    if isinstance(text, str) and text.strip():
+        updates["article"] = text
+    return updates
+
+
+def upload(server: Server, values: Values) -> Updates:
+    """Load a trace file: redraw it and restore its settings; a file that cannot be drawn is refused."""
+    file = values["trace_upload"]
+    if file is None:
+        return {}
+    path = file if isinstance(file, str) else file.name
+    try:
+        trace = load_trace(path)
+        views(trace)  # a trace that loads but cannot be drawn is refused too
+        return opened(server, trace, f"Loaded trace {html.escape(Path(path).name)} ({len(trace.steps)} iterations; no "
+                                     "model was run; its settings are restored).")
+    except (TraceFormatError, OSError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        return {"status": error(e)}  # unreadable, undrawable, or its export could not be written (a full disk)
+    finally:
+        trace = None  # the shelf keeps it if it fits the budget; what reading it took goes back to the OS
+        release_freed_memory()
+
+
+def open_compared(server: Server, values: Values) -> Updates:
+    tickets, name = values["compare_state"], values["compare_pick"]
+    if not tickets or name not in tickets:
+        return {"status": stamp("Run a comparison first, then pick one of its runs.")}
+    trace = server.traces.get(tickets[name])
+    if trace is None:
+        return {"status": stamp(GONE)}
+    return opened(server, trace, f"Opened the {html.escape(name)} run of the comparison.")
+
+
+def replay(server: Server, values: Values) -> Updates:
+    if values["trace"] is None:
+        return {}
+    trace = server.traces.get(values["trace"])
+    return {"status": stamp(GONE)} if trace is None else views(trace, int(values["replay"]))
+
+
+def why(server: Server, values: Values) -> Updates:
+    """The why-panel for the token the page's script wrote as "step,sequence,position,nonce"."""
+    try:
+        step, seq, pos = (int(x) for x in (values["why_select"] or "").split(",")[:3])
+    except ValueError:
+        return {}
+    if values["trace"] is None:
+        return {}
+    trace = server.traces.get(values["trace"])
+    return {"status": stamp(GONE)} if trace is None else {"why_panel": why_html(trace, step, seq, pos)}
+
+
+def sample_text(values: Values) -> Updates:
+    return {"article": sample_article()}
+
+
+def sample_audio(values: Values) -> Updates:
+    return {"audio": SAMPLE_AUDIO, "reference_transcript": SAMPLE_TRANSCRIPT}
+
+
+PAGE_SWEEP_TOKENS = 32  # a sweep from the page stays short: the CLI (or Ray) runs the real ones
+PAGE_SWEEP_EXAMPLES = 4
+
+
+def evaluation(results: Results) -> Updates:
+    """A sweep's tables and figures."""
+    rows = summarize(results)
+    h = results.header
+    failed = sum(r["status"] == "failed" for r in results.cells)
+    note = (f"{len(results.cells)} cells ({failed} failed) · {html.escape(str(h.get('data', '?')))[:200]} · "
+            f"{html.escape(str(h.get('models', '?')))[:200]} · {html.escape(str(h.get('machine', '?')))[:200]}")
+    return {"eval_note": note, "eval_table1": table1(rows), "eval_table2": table2(rows),
+            "eval_tradeoff_plot": gr.Plot(tradeoff_figure(rows), visible=True),
+            "eval_gamma_plot": gr.Plot(verify_gamma_figure(rows), visible=True)}
+
+
+def evaluate_upload(values: Values) -> Updates:
+    """Show a results file (untrusted: load_results checks every record and names a bad line)."""
+    file = values["eval_upload"]
+    if file is None:
+        return {}
+    path = file if isinstance(file, str) else file.name
+    cleared = {"eval_upload": None}  # the box is ready for the next file
+    try:
+        results = load_results(path)
+    except ResultsError as e:
+        return {"status": error(e), **cleared}
+    return {"status": stamp(f"Loaded the sweep {html.escape(Path(path).name)}: no model was run."),
+            "results": gr.Tabs(selected="eval-results"), **evaluation(results), **cleared}
+
+
+def evaluate(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    """A small sweep on the bundled set with the page's settings: every mode, target-only as the reference,
+    at most PAGE_SWEEP_EXAMPLES examples and PAGE_SWEEP_TOKENS tokens; Stop ends it after the cell in flight."""
+    stop = server.stops.start(caller.session)
+    try:
+        settings = settings_of(values)
+        task = TEXT if values["eval_data"] == "text" else SPEECH
+        count = int(values["eval_examples"])
+        if not 1 <= count <= PAGE_SWEEP_EXAMPLES:
+            raise InputError(f"the page evaluates 1 to {PAGE_SWEEP_EXAMPLES} examples; the CLI runs whole data sets")
+        data = BUNDLED_TEXT if task == TEXT else BUNDLED_SPEECH
+        examples = load_examples(data, limit=count)
+        base = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, PAGE_SWEEP_TOKENS))
+        grid = Grid(policies=(settings.gamma_policy,), sigmoid_ranges=((settings.sigmoid_alpha, settings.sigmoid_beta),),
+                    temperatures=(0.0 if settings.greedy else settings.temperature,), seeds=(settings.seed,), base=base)
+        cells = grid.cells(examples)
+        yield {"status": stamp(f"Evaluating: {len(cells)} runs on {len(examples)} bundled example(s); loading models…"),
+               "results": gr.Tabs(selected="eval-results")}
+        load = server.models.text if task == TEXT else server.models.speech
+        pair = load(settings.draft, settings.target, caller.progress)
+        path = page.download_folder() / f"specviz-eval-{task}-{time.strftime('%Y%m%d-%H%M')}.jsonl"
+
+        def on_cell(progress: SweepProgress, record: dict) -> None:
+            caller.progress(f"run {progress.done} of {progress.total}: {record['example']} · {record['variant']}",
+                            progress.done / progress.total)
+
+        models = Models(task, settings.draft, settings.target)
+        done = run_serial(cells, grid, models, ResultsFile(path), describe(data, examples=examples), on_cell=on_cell,
+                          should_stop=stop.is_set, pair=pair)
+        what = "Stopped" if stop.is_set() else "Done"
+        yield {"status": stamp(f"{what}: {done.done} of {done.total} runs ({done.failed} failed)."),
+               "eval_download": gr.DownloadButton(value=str(path), interactive=True),
+               **evaluation(load_results(path))}
+    except Exception as e:
+        yield {"status": error(e)}
+    finally:
+        server.stops.end(caller.session, stop)

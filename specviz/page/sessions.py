@@ -1,0 +1,120 @@
+"""What the page's browser sessions share and what keeps them apart: the loaded models (one load per pair,
+hub ids and local paths checked against what the server accepts) and each session's Stop flag."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from specviz.models.hub import HUB_ID
+from specviz.models.loading import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
+from specviz.runs.settings import SPEECH, TEXT
+
+
+
+@dataclass(frozen=True)
+class ModelAccess:
+    """Which model names the page takes from its visitors.
+
+    On localhost the visitor is the operator: any hub id or local path. On a public address local paths are
+    accepted only under directories the operator named (--models-dir), and the refusal reads the same
+    whether or not the path exists, so the page cannot be used to probe the server's disk.
+    """
+
+    allowed_dirs: tuple[Path, ...] | None = None  # None: any local path
+
+    def check(self, name: str, role: str) -> None:
+        if name == DEFAULT or (role == "draft" and name.startswith("layers:")) or self.allowed_dirs is None:
+            return
+        if HUB_ID.match(name) and ".." not in name and not Path(name).expanduser().exists():
+            return  # a hub id, which transformers resolves from its own cache or the hub
+        real = Path(name).expanduser().resolve()
+        if not any(real == d or d in real.parents for d in self.allowed_dirs):
+            raise ModelLoadError(f"the {role} model {name!r} is not accepted here: this server takes the default "
+                                 "models, hub ids, and local models under the directories it was started with "
+                                 "(--models-dir)")
+
+
+class ModelCache:
+    """Loaded pairs by name, shared by all sessions: read-only but for each pair's prompt caches, which
+    lock (specviz.models.prompt_cache).
+
+    One lock per pair keeps two sessions from loading the same pair twice without making a session that
+    wants another pair wait for a slow load; the short dictionary lock only guards the lock table.
+    """
+
+    def __init__(self, loader: Callable[..., Any] = load_pair, speech_loader: Callable[..., Any] | None = None,
+                 access: ModelAccess = ModelAccess()):
+        self._text_loader, self._speech_loader, self.access = loader, speech_loader, access
+        self._pairs: dict[tuple, Any] = {}
+        self._key_locks: dict[tuple, threading.Lock] = {}
+        self._table_lock = threading.Lock()
+
+    def text(self, draft: str, target: str, progress: Progress) -> ModelPair:
+        self.access.check(draft, "draft")
+        self.access.check(target, "target")
+        return self._get((TEXT, draft, target), lambda: self._text_loader(draft, target, progress=progress))
+
+    def speech(self, draft: str, target: str, progress: Progress):
+        from specviz.speech.asr import load_speech_pair
+
+        self.access.check(draft, "draft")
+        self.access.check(target, "target")
+        loader = self._speech_loader or load_speech_pair
+        return self._get((SPEECH, draft, target), lambda: loader(target, draft, dtype="fp32", progress=progress))
+
+    def _get(self, key: tuple, load: Callable[[], Any]):
+        with self._table_lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            if key not in self._pairs:
+                self._pairs[key] = load()
+            return self._pairs[key]
+
+
+class StopFlag:
+    """Set by the page's Stop button, a closed browser session, or a consumer that went away; read by the
+    decoding thread between iterations. A threading.Event makes that hand-over safe; `reason` is written
+    before the event is set and read only after it is seen set."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def stop(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+class Stops:
+    """The current run's StopFlag of each browser session. Gradio runs the Stop and unload handlers in
+    other threads than the run; the lock guards only this table."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flags: dict[str, StopFlag] = {}
+
+    def start(self, session: str) -> StopFlag:
+        flag = StopFlag()
+        with self._lock:
+            self._flags[session] = flag
+        return flag
+
+    def stop(self, session: str, reason: str) -> bool:
+        with self._lock:
+            flag = self._flags.get(session)
+        if flag is None:
+            return False
+        flag.stop(reason)
+        return True
+
+    def end(self, session: str, flag: StopFlag) -> None:
+        with self._lock:
+            if self._flags.get(session) is flag:
+                del self._flags[session]

@@ -1,0 +1,271 @@
+"""Speech: Whisper on the shared driver. Each 30 s window of each clip is one sequence of the batch.
+
+The encoder runs once per window; both decoders read its output. The embedded draft is
+self-speculative: a shallower decoder made of some of the target's own decoder layers (weights shared,
+not copied), the way Distil-Whisper initializes its students. A separate assistant (e.g.
+distil-whisper/distil-small.en for openai/whisper-small.en) works too, reusing the target's encoder output.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache, EncoderDecoderCache, WhisperForConditionalGeneration, WhisperProcessor
+
+from specviz.speech.audio import SAMPLE_RATE, windows
+from specviz.decoding.decoder import SlottedDecoder
+from specviz.decoding.drafts import SubsetHead, draft_head_size, special_ids, subset_head
+from specviz.machine import device_name
+from specviz.models.loading import DEFAULT, ModelLoadError, Progress, _silent
+from specviz.models.quant import quantize_draft_int8
+from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names
+from specviz.speech.whisper_loader import load_whisper
+
+# Chosen by measurement on the sample clip (docs/benchmarks.md, "Speech"): base without its fourth decoder
+# layer is the only shallower decoder that still agrees with the full one most of the time.
+DEFAULT_DRAFT_LAYERS = (0, 1, 2, 4, 5)
+
+
+@dataclass
+class SpeechPair:
+    target: WhisperForConditionalGeneration
+    draft: WhisperForConditionalGeneration
+    processor: WhisperProcessor
+    target_name: str
+    draft_name: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+
+def _relabel(layer: nn.Module, index: int) -> nn.Module:
+    """A view of a decoder layer that shares its weights but writes to KV-cache slot `index`."""
+    view = copy.copy(layer)
+    view._modules = dict(layer._modules)
+    for name in ("self_attn", "encoder_attn"):
+        attention = copy.copy(layer._modules[name])
+        attention.layer_idx = index
+        view._modules[name] = attention
+    return view
+
+
+def layer_draft(target: WhisperForConditionalGeneration, layers: tuple[int, ...]) -> WhisperForConditionalGeneration:
+    """A draft whose decoder is `layers` of the target's decoder; embeddings, norms and head are shared."""
+    n = target.config.decoder_layers
+    if not layers or any(not 0 <= i < n for i in layers) or list(layers) != sorted(set(layers)):
+        raise ValueError(f"draft layers must be increasing indices in [0, {n}), got {layers}")
+    decoder = copy.copy(target.model.decoder)
+    decoder._modules = dict(target.model.decoder._modules)
+    decoder._modules["layers"] = nn.ModuleList([_relabel(target.model.decoder.layers[i], k) for k, i in enumerate(layers)])
+    inner = copy.copy(target.model)
+    inner._modules = dict(target.model._modules)
+    inner._modules["decoder"] = decoder
+    draft = copy.copy(target)
+    draft._modules = dict(target._modules)
+    draft._modules["model"] = inner
+    draft.config = copy.deepcopy(target.config)
+    draft.config.decoder_layers = len(layers)
+    return draft
+
+
+def int8_layer_draft(target: WhisperForConditionalGeneration, layers: tuple[int, ...]) -> WhisperForConditionalGeneration:
+    """layer_draft with int8 copies of the kept decoder layers and of the output head; embeddings, norms and
+    the encoder stay shared with the (never quantized) target. Quantizing in place would reach the target's
+    own modules through the shared ones, so only private copies are quantized."""
+    draft = layer_draft(target, layers)
+    decoder = draft.model.decoder
+    decoder._modules["layers"] = quantize_draft_int8(copy.deepcopy(decoder.layers))
+    draft._modules["proj_out"] = quantize_draft_int8(nn.Sequential(copy.deepcopy(target.proj_out)))[0]
+    return draft
+
+
+def parse_layers(spec: str) -> tuple[int, ...]:
+    """'layers:0,5' -> (0, 5)."""
+    try:
+        return tuple(int(x) for x in spec.removeprefix("layers:").split(","))
+    except ValueError:
+        raise ValueError(f"draft layer list must look like 'layers:0,5', got {spec!r}") from None
+
+
+def check_speech_pair(draft: WhisperForConditionalGeneration, draft_proc: WhisperProcessor,
+                      target: WhisperForConditionalGeneration, target_proc: WhisperProcessor,
+                      draft_name: str, target_name: str) -> None:
+    """The draft reads the target's encoder output and shares its vocabulary; refuse pairs that cannot."""
+    dv, tv = draft_proc.tokenizer.get_vocab(), target_proc.tokenizer.get_vocab()
+    if dv != tv or draft.config.vocab_size != target.config.vocab_size:
+        raise ModelLoadError(
+            f"vocabularies differ: draft {draft_name!r} has {len(dv):,} tokens ({draft.config.vocab_size:,} logits) and "
+            f"target {target_name!r} has {len(tv):,} ({target.config.vocab_size:,}); e.g. an English-only draft "
+            "cannot check a multilingual target"
+        )
+    for key in ("d_model", "num_mel_bins", "max_source_positions"):
+        if getattr(draft.config, key) != getattr(target.config, key):
+            raise ModelLoadError(
+                f"draft {draft_name!r} cannot read the target's encoder output: {key} is "
+                f"{getattr(draft.config, key)} in the draft and {getattr(target.config, key)} in {target_name!r}"
+            )
+
+
+def load_speech_pair(
+    target: str = DEFAULT,
+    draft: str = DEFAULT,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    draft_int8: bool | None = None,
+    progress: Progress = _silent,
+) -> SpeechPair:
+    """target: 'default' (embedded Whisper base), a hub id or a directory. draft: 'default' (the target's
+    layers DEFAULT_DRAFT_LAYERS), 'layers:i,j,...', or another Whisper (hub id or directory). draft_int8:
+    int8 draft weights (None: exactly when the models run on the CPU; needs an fp32 target there)."""
+    t_model, processor = load_whisper(target, device=device, dtype=dtype, progress=progress)
+    t_name = "whisper-base" if target == DEFAULT else target
+    if draft_int8 is None:
+        draft_int8 = t_model.device.type == "cpu" and t_model.dtype == torch.float32
+    if draft_int8 and (t_model.device.type != "cpu" or t_model.dtype != torch.float32):
+        raise ModelLoadError("the int8 speech draft runs on the CPU beside an fp32 target only")
+    suffix = " (int8)" if draft_int8 else ""
+    if draft == DEFAULT or draft.startswith("layers:"):
+        layers = DEFAULT_DRAFT_LAYERS if draft == DEFAULT else parse_layers(draft)
+        try:
+            d_model = (int8_layer_draft if draft_int8 else layer_draft)(t_model, layers)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        return SpeechPair(t_model, d_model, processor, t_name, f"{t_name} decoder layers {list(layers)}{suffix}")
+    d_model, d_proc = load_whisper(draft, device=t_model.device, dtype=t_model.dtype, progress=progress)
+    check_speech_pair(d_model, d_proc, t_model, processor, draft, t_name)
+    if draft_int8:
+        d_model = quantize_draft_int8(d_model)
+    return SpeechPair(t_model, d_model, processor, t_name, draft + suffix)
+
+
+class WhisperDecoder(SlottedDecoder):
+    """One Whisper decoder over a batch of encoder outputs, with its own self-attention cache.
+
+    Applies the generation config's suppress lists (begin-suppress only where a row predicts its first new
+    token), so draft, target and the reference all see the same standardized logits.
+    """
+
+    shares_identical_prompts = False  # every window's cross-attention cache is its own
+
+    def __init__(self, model: WhisperForConditionalGeneration, encoder_out: torch.Tensor, prompt_len: int,
+                 suppress: list[int], begin_suppress: list[int], head: SubsetHead | None = None):
+        self.model, self.prompt_len, self.head = model, prompt_len, head
+        self.encoder_out = encoder_out  # [B, frames, d_model]: shared with the other decoder, read-only
+        self.suppress = torch.tensor(suppress, dtype=torch.long, device=model.device)
+        self.begin_suppress = torch.tensor(begin_suppress, dtype=torch.long, device=model.device)
+        super().__init__(encoder_out.shape[0], model.device)
+
+    def _new_cache(self) -> EncoderDecoderCache:
+        return EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+    def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
+        encoder_out = self.encoder_out if len(rows) == self.encoder_out.shape[0] else self.encoder_out[rows]
+        inputs = dict(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,), decoder_attention_mask=attention_mask,
+                      decoder_position_ids=position_ids, past_key_values=cache, use_cache=True)
+        if self.head is None:
+            logits = self.model(**inputs).logits[:, -keep:].float()  # [b, keep, V]
+        else:  # the reduced draft head: only its rows of the output projection are computed
+            logits = self.head(self.model.model(**inputs).last_hidden_state[:, -keep:])
+        if len(self.suppress):
+            logits[..., self.suppress] = float("-inf")
+        if len(self.begin_suppress):
+            first = (position_ids[:, -keep:] == self.prompt_len - 1)[..., None]  # column predicts the first new token
+            logits[..., self.begin_suppress] = logits[..., self.begin_suppress].masked_fill(first, float("-inf"))
+        return logits
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        self.encoder_out = self.encoder_out.index_select(0, index)
+
+
+def decoder_prompt(processor: WhisperProcessor, model: WhisperForConditionalGeneration, language: str | None) -> list[int]:
+    """<|startoftranscript|> [<|lang|> <|transcribe|>] <|notimestamps|>: the tokens marked as prompt."""
+    gc = model.generation_config
+    tok = processor.tokenizer
+    ids = [gc.decoder_start_token_id]
+    if getattr(gc, "is_multilingual", False) and getattr(gc, "lang_to_id", None):
+        lang_token = f"<|{language or 'en'}|>"
+        if lang_token not in gc.lang_to_id:
+            raise ValueError(f"unknown language {language!r} for this Whisper model")
+        ids += [gc.lang_to_id[lang_token], gc.task_to_id["transcribe"]]
+    ids.append(gc.no_timestamps_token_id if gc.no_timestamps_token_id is not None else tok.convert_tokens_to_ids("<|notimestamps|>"))
+    return ids
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+class SpeechSource:
+    """Audio clips as sequences: every 30 s window of every clip is one sequence, decoded independently
+    (no text carried between windows), so the windows of one long clip batch as well as several clips do.
+    The encoder runs once per window when its group enters the batch; draft and target both read it."""
+
+    def __init__(self, pair: SpeechPair, clips: list[tuple[str, np.ndarray]], language: str | None = "en",
+                 draft_vocab: int = 0):
+        self.pair, self.language = pair, language
+        self.prompt = decoder_prompt(pair.processor, pair.target, language)
+        tok = pair.processor.tokenizer
+        # timestamps and language tokens are specials: they stay in the draft's head whatever its size
+        self.draft_head = subset_head(pair.draft, pair.vocab_size, draft_vocab, special_ids(tok) | set(self.prompt))
+        gc = pair.target.generation_config
+        self.vocab = Vocabulary(lambda t: tok.decode(t), frozenset({gc.eos_token_id}), pair.vocab_size)
+        self.suppress, self.begin = list(gc.suppress_tokens or []), list(gc.begin_suppress_tokens or [])
+        self.device = pair.device
+        self.sequences: list[SequenceSpec] = []
+        self.chunks: list[np.ndarray] = []
+        self.clip_seconds = []
+        names = unique_names([name for name, _ in clips])
+        for c, (name, (_, audio)) in enumerate(zip(names, clips)):
+            parts = windows(audio)
+            self.clip_seconds.append(len(audio) / SAMPLE_RATE)
+            for w, (start, chunk) in enumerate(parts):
+                end = start + len(chunk) / SAMPLE_RATE
+                label = name if len(parts) == 1 else f"{name} · {_clock(start)}–{_clock(end)}"
+                self.sequences.append(SequenceSpec(list(self.prompt), label, name,
+                                                   {"input": c, "window": w, "start_s": start, "end_s": end}))
+                self.chunks.append(chunk)
+
+    def decoders(self, rows: list[int], with_draft: bool) -> tuple[WhisperDecoder | None, WhisperDecoder]:
+        pair = self.pair
+        features = pair.processor.feature_extractor([self.chunks[r] for r in rows], sampling_rate=SAMPLE_RATE,
+                                                    return_tensors="pt").input_features
+        encoder_out = pair.target.model.encoder(features.to(pair.device, pair.dtype)).last_hidden_state
+        make = lambda model, head: WhisperDecoder(model, encoder_out, len(self.prompt), self.suppress,  # noqa: E731
+                                                  self.begin, head)
+        return (make(pair.draft, self.draft_head) if with_draft else None), make(pair.target, None)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.pair.processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def meta(self) -> dict:
+        pair = self.pair
+        return {"task": "transcribe", "draft": pair.draft_name, "target": pair.target_name,
+                "device": device_name(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
+                "vocab_size": pair.vocab_size, "draft_vocab_size": draft_head_size(self.draft_head, pair.vocab_size),
+                "audio_seconds": sum(self.clip_seconds), "language": self.language,
+                "prompt_text": pair.processor.tokenizer.decode(self.prompt)}
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """WER after Whisper's English text normalization (jiwer for the alignment)."""
+    import jiwer
+    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+
+    normalize = EnglishTextNormalizer({})
+    ref, hyp = normalize(reference), normalize(hypothesis)
+    if not ref.strip():
+        raise ValueError("the reference transcript is empty")
+    return float(jiwer.wer(ref, hyp))

@@ -1,0 +1,110 @@
+"""Why a run paid or did not: the speedup its measured costs predict, the time split of its iterations, the
+break-even α, and one plain sentence built from those numbers. Built from a trace alone (its cost table,
+specviz.decoding.cost, and its steps and decisions); None for traces without a cost table (target-only runs, and
+traces written before the cost model)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+
+from specviz.decoding.cost import break_even_alpha, expected_tokens
+from specviz.traces.trace import Trace
+
+
+@dataclass(frozen=True)
+class Prediction:
+    speedup: float  # predicted decoding speedup over target-only (a prediction, from measured costs and α)
+    tokens_per_iteration: float  # predicted, over the drafting iterations (α by position, each row's γ)
+    measured_tokens_per_iteration: float  # what those iterations kept
+    alphas: list[float]  # α by draft position over the run
+    gamma: int  # the γ the run drafted most often
+    scored_ratio: float  # a target call scoring γ + 1 tokens over one scoring 1, at that γ (measured)
+    split_s: dict[str, float]  # median seconds of a drafting iteration: draft, target, verify, other
+    plain_s: float  # one target-only step (a forward over one token and the draw), measured
+    iteration_steps: float  # a drafting iteration's seconds in target-only steps
+    break_even: float | None  # the α at which that γ neither gains nor loses; None: no α pays
+    plain_share: float  # share of iterations that were plain target steps (γ = 0)
+    batch: int
+
+    @property
+    def verdict(self) -> str:
+        """Whether the kept tokens outweigh the cost, from the measured iterations (not the prediction)."""
+        margin = self.measured_tokens_per_iteration / self.iteration_steps if self.iteration_steps else 0.0
+        return "faster" if margin > 1.02 else "slower" if margin < 0.98 else "even"
+
+
+def _others(trace: Trace) -> list[float]:
+    """The rest of each iteration: wall time between iteration ends less its draft, target and verify."""
+    out = []
+    for prev, step in zip(trace.steps, trace.steps[1:]):
+        if step.gamma > 0 and step.sequences == prev.sequences:  # a new group starts with a prefill
+            out.append(max(0.0, step.end_s - prev.end_s - step.draft_s - step.target_s - step.verify_s))
+    return out
+
+
+def predict(trace: Trace) -> Prediction | None:
+    costs = trace.costs
+    drafting = [s for s in trace.steps if s.gamma > 0]
+    alphas = trace.alpha_by_position()
+    if costs is None or not costs.ready or not drafting or not alphas:
+        return None
+    by_step: dict[int, list[int]] = {}
+    for d in trace.decisions():
+        by_step.setdefault(d.step, []).append(d.gamma)
+    spec_s = target_only_s = predicted_tokens = 0.0
+    for step in trace.steps:
+        batch = len(step.sequences)
+        rows = by_step.get(step.index, [])
+        tokens = sum(expected_tokens(alphas, g) if g else 1.0 for g in rows)
+        spec_s += costs.iteration_s(batch, step.gamma)
+        target_only_s += tokens * costs.plain_s(batch) / batch
+        if step.gamma > 0:
+            predicted_tokens += tokens / batch
+    drafted = trace.drafted()
+    measured = sum(d.n_accepted + 1 for d in drafted) / len(drafted)
+    gamma = Counter(s.gamma for s in drafting).most_common(1)[0][0]
+    batch = Counter(len(s.sequences) for s in drafting).most_common(1)[0][0]
+    others = _others(trace)
+    split = {"draft": statistics.median(s.draft_s for s in drafting),
+             "target": statistics.median(s.target_s for s in drafting),
+             "verify": statistics.median(s.verify_s for s in drafting),
+             "other": statistics.median(others) if others else 0.0}
+    plain = costs.plain_s(batch)
+    return Prediction(
+        speedup=target_only_s / spec_s if spec_s else 0.0,
+        tokens_per_iteration=predicted_tokens / len(drafting),
+        measured_tokens_per_iteration=measured,
+        alphas=alphas, gamma=gamma,
+        scored_ratio=costs.target_s(batch, gamma + 1) / costs.target_s(batch, 1),
+        split_s=split, plain_s=plain,
+        iteration_steps=sum(split.values()) / plain if plain else 0.0,
+        break_even=break_even_alpha(costs, batch, gamma),
+        plain_share=1 - len(drafting) / len(trace.steps),
+        batch=batch,
+    )
+
+
+def sentence(p: Prediction) -> str:
+    """One plain sentence from the numbers: what a call costs here, what an iteration kept, the verdict."""
+    draft = p.split_s["draft"] / p.plain_s if p.plain_s else 0.0
+    kept = p.measured_tokens_per_iteration
+    rows = " per sequence" if p.batch > 1 else ""
+    text = (f"Scoring {p.gamma + 1} tokens costs {p.scored_ratio:.1f}× scoring one here, and drafting {p.gamma} "
+            f"costs {draft:.1f}× more: an iteration cost as much as {p.iteration_steps:.1f} target-only steps and "
+            f"kept {kept:.1f} tokens{rows}")
+    if p.verdict == "faster":
+        text += ", so it beat target-only."
+    elif p.verdict == "slower":
+        text += ", so it could not beat target-only."
+    else:
+        text += ": about even with target-only."
+    if p.break_even is None:
+        text += f" At γ = {p.gamma} no draft, however good, pays on these costs."
+    else:
+        text += f" γ = {p.gamma} pays from α ≈ {p.break_even:.2f} (this run: α ≈ {p.alphas[0]:.2f} at the first position)."
+    if p.plain_share:
+        text += (f" The cost-aware policy stepped plainly (γ = 0) in {100 * p.plain_share:.0f}% of iterations, "
+                 f"where no γ was expected to pay.")
+    return text

@@ -26,7 +26,8 @@ NaN / +inf / all -inf logits or drafted tokens outside the vocabulary, and `laun
 so that callers need no further sync; `check=False` makes the call fully asynchronous and skips those errors.
 
 Submodules, one idea each: `sources` (verify.cu's files, sizes and entry points), `build` (compiling,
-availability), `plan` (validation, grids, buffer layout, argument lists; cached per key), `outputs` (the
+availability), `spec` (`LaunchSpec`: one call's launch without its data: layout, settings, their checks),
+`plan` (grids, buffer layout, argument lists; cached per `LaunchSpec`), `outputs` (the
 output bytes: views, host lists, errors), `launcher` (launching on torch's stream, the readback). They
 import each other relatively only: specviz loads this package by path as `specviz_kernels`
 (`specviz.verify.project_kernels`), never as `kernels`, the name of an unrelated PyPI package.
@@ -41,6 +42,7 @@ from .launcher import Launched, launch, verify_cuda
 from .outputs import host_lists, raise_for_errors
 from .plan import plan_chunks, sigmoid_inv_den, state_size, topk_scale, topp_value
 from .sources import ENTRY_POINTS, MAX_GAMMA, MAX_TOPK, THREADS, source_files
+from .spec import LaunchSpec
 
 __all__ = [
     "available",
@@ -53,6 +55,7 @@ __all__ = [
     "MAX_TOPK",
     "launch",
     "Launched",
+    "LaunchSpec",
     "sigmoid_inv_den",
     "topk_scale",
     "topp_value",

@@ -16,6 +16,7 @@ from .build import _functions
 from .outputs import _views, host_lists, raise_for_errors
 from .plan import _prepare, state_size
 from .sources import THREADS
+from .spec import LaunchSpec
 
 # The zero int32 state of each (device index, stream pointer). Guarded: two threads can launch on one stream
 # (both on the default stream, say), and then they share its state, which is safe because their kernels run
@@ -89,46 +90,27 @@ class Launched:
     host: dict | None  # the same keys -> Python lists ([B] or [B][γ]), from the one readback; None if check=False
 
 
-def launch(
-    mode: str,
-    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
-    draft_logits: torch.Tensor,  # [B, γ, V]
-    target_logits: torch.Tensor,  # [B, γ+1, V]
-    u: torch.Tensor,  # [B, γ]
-    u_res: torch.Tensor,  # [B]
-    *,
-    scale: float = 1.0,
-    lenience: float = 1.0,
-    sigmoid_alpha: float = -1e4,
-    sigmoid_beta: float = 1e4,
-    topk: int = 0,
-    top_p: float = 1.0,
-    check: bool = True,
-    stats_chunk: int | None = None,
-    residual_chunk: int | None = None,
-    events: tuple | None = None,
-) -> Launched:
+def launch(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+           u: torch.Tensor, u_res: torch.Tensor, *, check: bool = True, events: tuple | None = None,
+           **settings: float | None) -> Launched:
     """`verify_cuda`'s work, returning the device outputs and (check=True) the host lists of the readback.
 
-    The readback copies the few output bytes into pinned host memory and waits for that copy only: the
-    one host sync of a call. events: optional (start, end) torch.cuda.Events recorded right before the
-    first and after the last kernel launch (benchmarks: GPU time without the host's share).
+    Tensors and settings as `verify_cuda` takes them. The readback copies the few output bytes into pinned
+    host memory and waits for that copy only: the one host sync of a call. events: optional (start, end)
+    torch.cuda.Events recorded right before the first and after the last kernel launch (benchmarks: GPU time
+    without the host's share).
     """
     if not target_logits.is_cuda:
         raise ValueError("verify_cuda needs CUDA tensors")
     import cupy
 
     device = target_logits.device
-    B, gamma = draft_tokens.shape if draft_tokens.dim() == 2 else (0, 0)
+    spec = LaunchSpec.of(mode, draft_tokens, draft_logits, target_logits, u, u_res, sms=_sm_count(device.index),
+                         **settings)
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
-        state = _state(device, stream.cuda_stream, state_size(max(B, 1), max(gamma, 1)))
-        prep = _prepare(
-            mode, draft_tokens, draft_logits, target_logits, u, u_res,
-            scale=scale, lenience=lenience, sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta,
-            state=state, sms=_sm_count(device.index), stats_chunk=stats_chunk, residual_chunk=residual_chunk,
-            topk=topk, top_p=top_p,
-        )
+        state = _state(device, stream.cuda_stream, state_size(spec.batch, spec.gamma))
+        prep = _prepare(spec, draft_tokens, draft_logits, target_logits, u, u_res, state)
         functions = _functions(device.index)
         if events is not None:
             events[0].record(stream)
@@ -137,56 +119,40 @@ def launch(
                 functions[name](grid, (THREADS, 1, 1), args)
         if events is not None:
             events[1].record(stream)
-        outputs = _views(prep.buffer, prep.batch, prep.gamma)
+        outputs = _views(prep.buffer, spec.batch, spec.gamma)
         outputs.pop("errors")
         if not check:
             return Launched(outputs, None)
         pinned = torch.empty(prep.out_bytes, dtype=torch.uint8, pin_memory=True)
         pinned.copy_(prep.buffer[: prep.out_bytes], non_blocking=True)
         stream.synchronize()  # the one host sync: waits for the kernels and this copy
-    host = host_lists(pinned.numpy(), prep.batch, prep.gamma)
-    raise_for_errors(host.pop("errors"), prep.vocab)
+    host = host_lists(pinned.numpy(), spec.batch, spec.gamma)
+    raise_for_errors(host.pop("errors"), spec.vocab)
     return Launched(outputs, host)
 
 
-def verify_cuda(
-    mode: str,
-    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
-    draft_logits: torch.Tensor,  # [B, γ, V]
-    target_logits: torch.Tensor,  # [B, γ+1, V]
-    u: torch.Tensor,  # [B, γ]
-    u_res: torch.Tensor,  # [B]
-    *,
-    scale: float = 1.0,
-    lenience: float = 1.0,
-    sigmoid_alpha: float = -1e4,
-    sigmoid_beta: float = 1e4,
-    topk: int = 0,
-    top_p: float = 1.0,
-    check: bool = True,
-    host: bool = False,
-    stats_chunk: int | None = None,
-    residual_chunk: int | None = None,
-) -> dict[str, torch.Tensor]:
+def verify_cuda(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                u: torch.Tensor, u_res: torch.Tensor, *, check: bool = True, host: bool = False,
+                **settings: float | None) -> dict[str, torch.Tensor]:
     """Verify on the GPU; returns verify_tiled's keys: n_accepted, next_token, accept_prob, uniforms, p_draft, q_draft.
 
-    mode: 'exact' or 'sigmoid'. Logits as verify_tiled receives them after its own preparation: raw logits
-    with scale = 1/temperature (temperature-only sampling), or standardized logits (-inf masks) with scale = 1.
-    topk (1..MAX_TOPK; 0 = off) and top_p ((0, 1]; 1 = off), either mode: filter each row inside the kernels
-    as `standardize` does, on raw logits with scale = topk_scale(T): top-k keeps the k largest values of
-    scale·logits (ties with the k-th kept), then top-p drops a value when the mass of the larger ones
-    reaches fp32(top_p) (the largest always stays; ties with the boundary value all kept, see verify.cu).
+    mode: 'exact' or 'sigmoid'. draft_tokens LongTensor[B, γ], draft_logits [B, γ, V], target_logits
+    [B, γ+1, V]: logits as verify_tiled receives them after its own preparation: raw logits with
+    scale = 1/temperature (temperature-only sampling), or standardized logits (-inf masks) with scale = 1.
     u [B, γ] and u_res [B]: the uniforms, drawn by the caller (u first, then u_res).
+    settings: `LaunchSpec`'s fields with defaults (scale, lenience, sigmoid_alpha, sigmoid_beta, topk, top_p,
+    stats_chunk, residual_chunk). topk (1..MAX_TOPK; 0 = off) and top_p ((0, 1]; 1 = off), either mode:
+    filter each row inside the kernels as `standardize` does, on raw logits with scale = topk_scale(T): top-k
+    keeps the k largest values of scale·logits (ties with the k-th kept), then top-p drops a value when the
+    mass of the larger ones reaches fp32(top_p) (the largest always stays; ties with the boundary value all
+    kept, see verify.cu).
     check: read the few output bytes back once and raise InvalidLogitsError (NaN / +inf / all -inf logits,
     naming tensor and row) or ValueError (drafted token outside [0, V)); False: no host sync, no errors.
     host: return CPU tensors made from that readback instead of device tensors (needs check=True).
-    stats_chunk / residual_chunk: columns per block (default: sized to fill the GPU); tests use them.
     """
     if host and not check:
         raise ValueError("host=True needs check=True (the readback)")
-    done = launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
-                  sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, topk=topk, top_p=top_p, check=check,
-                  stats_chunk=stats_chunk, residual_chunk=residual_chunk)
+    done = launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, check=check, **settings)
     if not host:
         return done.outputs
     h = done.host

@@ -1,19 +1,20 @@
 """Launch planning, device-agnostic and without CuPy: validation, grids, the buffer layout and argument lists.
 
-The grids, workspace layout and argument lists depend only on (mode, shapes, dtypes, strides, settings), so
-they are planned once per such key (`_cached_plan`) and a call only patches its data pointers in (`_prepare`).
+The grids, workspace layout and argument lists depend only on a call's `LaunchSpec` (mode, shapes, dtypes,
+strides, settings), so they are planned once per spec (`_cached_plan`) and a call only patches its data pointers
+in (`_prepare`).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .sources import DTYPE_SUFFIX, MAX_GAMMA, MAX_GRID_YZ, MAX_TOPK, MODES, UNROLL_SPAN
+from .sources import DTYPE_SUFFIX, UNROLL_SPAN
+from .spec import LaunchSpec
 
 
 def _round_up(x: int, m: int) -> int:
@@ -45,24 +46,21 @@ _SRC_TARGET, _SRC_DRAFT, _SRC_TOKENS, _SRC_U, _SRC_URES, _SRC_BUFFER, _SRC_STATE
 
 @dataclass
 class Plan:
-    """What every call of one (mode, shapes, dtypes, strides, settings) launches, minus the pointers.
+    """What every call of one `LaunchSpec` launches, minus the pointers.
 
     launches: [(entry point, grid, argument template, pointer slots)]; a slot (i, source, offset) means
-    argument i is the data pointer of source (_SRC_*) plus offset bytes. Built once per key by `_plan`,
+    argument i is the data pointer of source (_SRC_*) plus offset bytes. Built once per spec by `_plan`,
     so a call only patches pointers into copies of the templates.
     """
 
     launches: list
     out_bytes: int  # the leading bytes of the buffer that hold the outputs
     total_bytes: int  # outputs, then workspace
-    batch: int
-    gamma: int
-    vocab: int
     cast: bool  # the logits go through fp32 (mixed or unsupported dtypes)
-    copy_target: bool  # the last dimension is not contiguous: copied
+    copy_target: bool  # read from a contiguous copy (cast, or the last dimension is not contiguous)
     copy_draft: bool
     state_entries: int
-    slot_arrays: dict | None = None  # entry point -> `_slot_arrays` of its slots (filled by `_plan`)
+    slot_arrays: dict  # entry point -> `_slot_arrays` of its slots
 
 
 @dataclass
@@ -72,9 +70,6 @@ class Prepared:
     launches: list  # [(entry point, grid, args)]
     buffer: torch.Tensor  # uint8: outputs, then workspace
     out_bytes: int  # the leading bytes of `buffer` that hold the outputs
-    batch: int
-    gamma: int
-    vocab: int
     keep: tuple  # tensors the launches read (contiguous copies, if any were made)
 
 
@@ -98,46 +93,14 @@ def topp_value(top_p: float) -> np.float32:
     return np.float32(top_p)
 
 
-def _validate(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, alpha, beta, topk,
-              top_p):
-    """The input checks of a plan (run once per plan key: shapes, dtypes and settings are in the key)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown CUDA verification mode {mode!r}; choose one of {', '.join(MODES)}")
-    if draft_tokens.dim() != 2 or draft_tokens.dtype != torch.long:
-        raise ValueError(f"draft_tokens must be a LongTensor [B, γ], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}")
-    B, gamma = draft_tokens.shape
-    if B < 1 or gamma < 1:
-        raise ValueError(f"need B >= 1 and γ >= 1, got B={B}, γ={gamma}")
-    if gamma > MAX_GAMMA:
-        raise ValueError(f"the CUDA kernels support γ <= {MAX_GAMMA}, got {gamma}")
-    if B > MAX_GRID_YZ:
-        raise ValueError(f"the CUDA kernels support B <= {MAX_GRID_YZ}, got {B}")
-    if draft_logits.dim() != 3 or tuple(draft_logits.shape[:2]) != (B, gamma):
-        raise ValueError(f"draft_logits must be [B={B}, γ={gamma}, V], got {tuple(draft_logits.shape)}")
-    if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (B, gamma + 1):
-        raise ValueError(f"target_logits must be [B={B}, γ+1={gamma + 1}, V], got {tuple(target_logits.shape)}")
-    V = target_logits.shape[-1]
-    if draft_logits.shape[-1] != V or V < 1:
-        raise ValueError(f"draft and target vocabularies differ or are empty: {draft_logits.shape[-1]} vs {V}")
-    if tuple(u.shape) != (B, gamma) or tuple(u_res.shape) != (B,):
-        raise ValueError(f"u must be [B, γ] = [{B}, {gamma}] and u_res [B] = [{B}], got {tuple(u.shape)}, {tuple(u_res.shape)}")
-    if not 0 < lenience <= 1:
-        raise ValueError(f"lenience must be in (0, 1], got {lenience}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-    if mode == "sigmoid" and not alpha < beta:
-        raise ValueError("sigmoid α must be smaller than β")
-    if topk and not 0 < topk <= MAX_TOPK:
-        raise ValueError(f"in-kernel top-k needs 1 <= k <= {MAX_TOPK}, got k={topk}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-
-
 def _inputs(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor,
             u_res: torch.Tensor, plan: Plan) -> tuple:
     """The tensors the kernels read, converted as the plan says (no-ops in the usual case)."""
+    # Copies are contiguous, whatever the input's layout: the plan's stride arguments assume it. (`.float()`
+    # would keep a permuted layout and so cost a second copy.)
     if plan.cast:
-        draft_logits, target_logits = draft_logits.float(), target_logits.float()
+        draft_logits = draft_logits.to(torch.float32, memory_format=torch.contiguous_format)
+        target_logits = target_logits.to(torch.float32, memory_format=torch.contiguous_format)
     if plan.copy_target:
         target_logits = target_logits.contiguous()
     if plan.copy_draft:
@@ -151,33 +114,31 @@ def _inputs(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens: tor
     return target_logits, draft_logits, tokens, u, u_res
 
 
-def _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, lenience, sigmoid_alpha, sigmoid_beta,
-          sms, stats_chunk, residual_chunk, topk, top_p) -> Plan:
+def _contiguous_strides(rows: int, vocab: int) -> tuple[int, int, int]:
+    """The strides of a contiguous [B, rows, V] tensor, in elements."""
+    return rows * vocab, vocab, 1
+
+
+def _plan(spec: LaunchSpec) -> Plan:
     """Validate once and lay out buffers, grids and argument templates (see `Plan`)."""
-    _validate(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, sigmoid_alpha,
-              sigmoid_beta, topk, top_p)
-    B, gamma = draft_tokens.shape
-    V = target_logits.shape[-1]
+    spec.validate()
+    mode, B, gamma, V, scale, topk = spec.mode, spec.batch, spec.gamma, spec.vocab, spec.scale, spec.topk
     # Logits: fp32 / fp16 / bf16 are read as they are; anything else (or a mixed pair) goes through fp32,
     # which is what the torch path computes in anyway (`logits.float()`).
-    cast = draft_logits.dtype != target_logits.dtype or target_logits.dtype not in DTYPE_SUFFIX
-    if cast:
-        draft_logits, target_logits = draft_logits.float(), target_logits.float()
-    copy_target, copy_draft = target_logits.stride(-1) != 1, draft_logits.stride(-1) != 1
-    if copy_target:
-        target_logits = target_logits.contiguous()
-    if copy_draft:
-        draft_logits = draft_logits.contiguous()
-    suffix = DTYPE_SUFFIX[target_logits.dtype]
+    cast = spec.draft_dtype != spec.target_dtype or spec.target_dtype not in DTYPE_SUFFIX
+    copy_target, copy_draft = cast or spec.target_strides[-1] != 1, cast or spec.draft_strides[-1] != 1
+    target_strides = _contiguous_strides(gamma + 1, V) if copy_target else spec.target_strides
+    draft_strides = _contiguous_strides(gamma, V) if copy_draft else spec.draft_strides
+    suffix = DTYPE_SUFFIX[torch.float32 if cast else spec.target_dtype]
     if topk >= V:
         topk = 0  # keeps every token, as `standardize` skips top_k >= V
-    topp = topp_value(top_p)  # the kernels filter while it is below 1 (fp32)
+    topp = topp_value(spec.top_p)  # the kernels filter while it is below 1 (fp32)
     filtered = bool(topk) or topp < 1
 
     R = 2 * gamma + 1
-    auto_stats, auto_residual = plan_chunks(mode, B, gamma, V, sms)
-    chunk1 = int(stats_chunk or auto_stats)
-    chunk2 = int(residual_chunk or auto_residual)
+    auto_stats, auto_residual = plan_chunks(mode, B, gamma, V, spec.sms)
+    chunk1 = int(spec.stats_chunk or auto_stats)
+    chunk2 = int(spec.residual_chunk or auto_residual)
     if chunk1 < 1 or not 1 <= chunk2 <= 1 << 30:
         raise ValueError(f"chunk sizes must be >= 1 (residual <= 2^30), got {chunk1}, {chunk2}")
     K1 = -(-V // chunk1)
@@ -204,11 +165,10 @@ def _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, l
     i32, i64, f32 = np.int32, np.int64, np.float32
     null = np.uint64(0)
     # (argument index -> source, offset): filled per call by `_materialize`
-    logits = [null, i64(target_logits.stride(0)), i64(target_logits.stride(1)),
-              null, i64(draft_logits.stride(0)), i64(draft_logits.stride(1))]
+    logits = [null, i64(target_strides[0]), i64(target_strides[1]), null, i64(draft_strides[0]), i64(draft_strides[1])]
     logit_slots = [(0, _SRC_TARGET, 0), (3, _SRC_DRAFT, 0)]
-    ctx = logits + [null, null, null, i32(B), i32(gamma), i64(V), f32(scale), f32(lenience), f32(sigmoid_alpha),
-                    sigmoid_inv_den(sigmoid_alpha, sigmoid_beta), null, null]
+    ctx = logits + [null, null, null, i32(B), i32(gamma), i64(V), f32(scale), f32(spec.lenience),
+                    f32(spec.sigmoid_alpha), sigmoid_inv_den(spec.sigmoid_alpha, spec.sigmoid_beta), null, null]
     ctx_slots = logit_slots + [(6, _SRC_TOKENS, 0), (7, _SRC_U, 0), (8, _SRC_URES, 0), (16, _SRC_BUFFER, 0),
                                (17, _SRC_BUFFER, off_f32)]
     n = len(ctx)
@@ -234,43 +194,30 @@ def _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, l
         if filtered:
             sig_slots += [(n + 4, _SRC_BUFFER, off_rowstat)]
         launches.append((f"sv_sigmoid{'_filtered' if filtered else ''}_{suffix}", (K2, R, B), sig, sig_slots))
-    return Plan(launches, out_bytes, total, B, gamma, V, cast, copy_target, copy_draft, state_size(B, gamma),
+    return Plan(launches, out_bytes, total, cast, copy_target, copy_draft, state_size(B, gamma),
                 {name: _slot_arrays(slots) for name, _, _, slots in launches})
 
 
-# Plans by `_plan_key`. Guarded: a page run and a compare can decode in two threads at once. The lock covers
-# the lookup and the insert only; a miss builds its plan outside it (pure Python, no device work), and when two
-# threads miss on one key together, the first insert wins and both use that plan.
-_plans: dict[tuple, Plan] = {}
+# Plans by spec. Guarded: a page run and a compare can decode in two threads at once. The lock covers the lookup
+# and the insert only; a miss builds its plan outside it (pure Python, no device work), and when two threads miss
+# on one spec together, the first insert wins and both use that plan.
+_plans: dict[LaunchSpec, Plan] = {}
 _plans_lock = threading.Lock()
 _MAX_PLANS = 256  # shapes vary with B and γ; beyond this the cache starts over (a plan is cheap to rebuild)
 
 
-def _plan_key(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, alpha, beta, sms,
-              stats_chunk, residual_chunk, topk, top_p) -> tuple:
-    return (mode, tuple(draft_tokens.shape), draft_tokens.dtype, draft_logits.dtype, target_logits.dtype,
-            tuple(draft_logits.shape), draft_logits.stride(), tuple(target_logits.shape), target_logits.stride(),
-            tuple(u.shape), tuple(u_res.shape), scale, lenience, alpha, beta, sms, stats_chunk, residual_chunk, topk,
-            top_p)
-
-
-def _cached_plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, scale, lenience, sigmoid_alpha,
-                 sigmoid_beta, sms, stats_chunk=None, residual_chunk=None, topk=0, top_p=1.0) -> Plan:
-    """The plan of this call's key: built and validated on the key's first call, then reused."""
-    key = _plan_key(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale, lenience, sigmoid_alpha,
-                    sigmoid_beta, sms, stats_chunk, residual_chunk, topk, top_p)
+def _cached_plan(spec: LaunchSpec) -> Plan:
+    """The plan of this spec: built and validated on the spec's first call, then reused."""
     with _plans_lock:
-        plan = _plans.get(key)
+        plan = _plans.get(spec)
     if plan is None:
-        built = _plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
-                      sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, sms=sms, stats_chunk=stats_chunk,
-                      residual_chunk=residual_chunk, topk=topk, top_p=top_p)
+        built = _plan(spec)
         with _plans_lock:
-            plan = _plans.get(key)
+            plan = _plans.get(spec)
             if plan is None:
                 if len(_plans) >= _MAX_PLANS:
                     _plans.clear()
-                plan = _plans[key] = built
+                plan = _plans[spec] = built
     return plan
 
 
@@ -284,7 +231,7 @@ def _materialize(plan: Plan, sources: tuple, buffer: torch.Tensor, state: torch.
     """[(entry point, grid, args)]: the plan's templates with this call's pointers patched in."""
     base = np.array([t.data_ptr() for t in sources] + [buffer.data_ptr(), state.data_ptr()], dtype=np.uint64)
     launches = []
-    for name, grid, template, slots in plan.launches:
+    for name, grid, template, _ in plan.launches:  # slots: as arrays in plan.slot_arrays
         idx, src, off = plan.slot_arrays[name]
         args = list(template)
         for i, v in zip(idx, base[src] + off):  # one numpy op per launch, np.uint64 scalars out
@@ -293,33 +240,15 @@ def _materialize(plan: Plan, sources: tuple, buffer: torch.Tensor, state: torch.
     return launches
 
 
-def _prepare(
-    mode: str,
-    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
-    draft_logits: torch.Tensor,  # [B, γ, V]
-    target_logits: torch.Tensor,  # [B, γ+1, V]
-    u: torch.Tensor,  # [B, γ]
-    u_res: torch.Tensor,  # [B]
-    *,
-    scale: float,
-    lenience: float,
-    sigmoid_alpha: float,
-    sigmoid_beta: float,
-    state: torch.Tensor,
-    sms: int,
-    stats_chunk: int | None = None,
-    residual_chunk: int | None = None,
-    topk: int = 0,
-    top_p: float = 1.0,
-) -> Prepared:
+def _prepare(spec: LaunchSpec, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+             u: torch.Tensor, u_res: torch.Tensor, state: torch.Tensor) -> Prepared:
     """Validate (once per plan), allocate the buffer and patch the argument lists. Any device (no CuPy here).
 
-    state: int32, zero, at least state_size(B, γ) entries; the kernels leave it zero again.
-    topk / top_p: in-kernel top-k and top-p on the logits scaled by `scale` (0 / 1 = none; see verify_cuda).
+    spec: `LaunchSpec.of` these tensors (draft_tokens LongTensor[B, γ], draft_logits [B, γ, V], target_logits
+    [B, γ+1, V], u [B, γ], u_res [B]). state: int32, zero, at least state_size(B, γ) entries; the kernels
+    leave it zero again.
     """
-    plan = _cached_plan(mode, draft_tokens, draft_logits, target_logits, u, u_res, scale=scale, lenience=lenience,
-                        sigmoid_alpha=sigmoid_alpha, sigmoid_beta=sigmoid_beta, sms=sms, stats_chunk=stats_chunk,
-                        residual_chunk=residual_chunk, topk=topk, top_p=top_p)
+    plan = _cached_plan(spec)
     device = target_logits.device
     for name, t in (("draft_tokens", draft_tokens), ("draft_logits", draft_logits), ("u", u), ("u_res", u_res)):
         if t.device != device:
@@ -328,5 +257,4 @@ def _prepare(
         raise ValueError("state must be a zero int32 tensor of at least state_size(B, γ) entries on the logits' device")
     sources = _inputs(draft_logits, target_logits, draft_tokens, u, u_res, plan)
     buffer = torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)
-    return Prepared(_materialize(plan, sources, buffer, state), buffer, plan.out_bytes, plan.batch, plan.gamma,
-                    plan.vocab, sources + (state,))
+    return Prepared(_materialize(plan, sources, buffer, state), buffer, plan.out_bytes, sources + (state,))

@@ -178,6 +178,18 @@ struct sv_bf16 {
   }
 };
 
+// One thread's share of a pass over row[.. end): v[k] = row[i + k·SV_THREADS] as fp32, -inf past end
+// (neither NaN, +inf nor finite, and no mass).
+template <class D>
+__device__ __forceinline__ void sv_load_unrolled(const typename D::T* row, sv_i64 i, sv_i64 end,
+                                                 float (&v)[SV_UNROLL]) {
+#pragma unroll
+  for (int k = 0; k < SV_UNROLL; ++k) {
+    const sv_i64 col = i + (sv_i64)k * SV_THREADS;
+    v[k] = col < end ? D::load(row, col) : sv_neg_inf();
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Probabilities, exactly as torch computes them (tiled.py `_Probs.__call__`)
 // ------------------------------------------------------------------------------------------------
@@ -238,6 +250,18 @@ __device__ __forceinline__ float sv_warp_sum(float v) {
   return v;
 }
 
+// Inclusive prefix sum of v over the lanes of the warp, in lane order (float or sv_u64). Call from all 32 lanes.
+template <class T>
+__device__ __forceinline__ T sv_warp_inclusive_scan(T v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const T t = __shfl_up_sync(SV_FULL, v, off);
+    if (lane >= off) v += t;
+  }
+  return v;
+}
+
 // Sums a and c over the block; every thread gets the totals. Call from all threads. sh: 2·SV_WARPS.
 __device__ __forceinline__ void sv_block_sum2(float& a, float& c, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -260,12 +284,7 @@ __device__ __forceinline__ void sv_block_sum2(float& a, float& c, float* sh) {
 // Exclusive prefix sum of v over the threads of the block, in thread order. Call from all threads.
 __device__ __forceinline__ float sv_block_exclusive_scan(float v, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float incl = v;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const float t = __shfl_up_sync(SV_FULL, incl, off);
-    if (lane >= off) incl += t;
-  }
+  const float incl = sv_warp_inclusive_scan(v);
   float excl = __shfl_up_sync(SV_FULL, incl, 1);
   if (lane == 0) excl = 0.0f;
   if (lane == 31) sh[warp] = incl;
@@ -366,12 +385,7 @@ __device__ __forceinline__ sv_u64 sv_topp_goal(float top_p, sv_u64 total) {
 // Integer, so exact. Call from all threads. sh: SV_WARPS words.
 __device__ __forceinline__ sv_u64 sv_block_inclusive_scan_u64(sv_u64 v, sv_u64* sh, sv_u64* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  sv_u64 incl = v;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const sv_u64 t = __shfl_up_sync(SV_FULL, incl, off);
-    if (lane >= off) incl += t;
-  }
+  const sv_u64 incl = sv_warp_inclusive_scan(v);
   if (lane == 31) sh[warp] = incl;
   __syncthreads();
   sv_u64 base = 0ull, all = 0ull;
@@ -644,13 +658,7 @@ __device__ __forceinline__ void sv_finish(const sv_ctx<D>& x, int b, int n, floa
     for (int base = 0; base < K2; base += 32) {  // the same trip count on every lane
       const int c = base + lane;
       const float v = c < K2 ? vm[2 * c + sel] : 0.0f;
-      float incl = v;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const float t = __shfl_up_sync(SV_FULL, incl, off);
-        if (lane >= off) incl += t;
-      }
-      incl += carry;
+      const float incl = sv_warp_inclusive_scan(v) + carry;
       float excl = __shfl_up_sync(SV_FULL, incl, 1);  // cumulative mass before chunk c
       if (lane == 0) excl = carry;
       const unsigned above = __ballot_sync(SV_FULL, c < K2 && v > 0.0f && incl > goal);
@@ -921,11 +929,7 @@ __device__ __forceinline__ void sv_exact_stats(const typename D::T* zp, sv_i64 p
   int bad = 0;
   for (sv_i64 i = start + threadIdx.x; i < end; i += (sv_i64)SV_THREADS * SV_UNROLL) {
     float v[SV_UNROLL];
-#pragma unroll
-    for (int k = 0; k < SV_UNROLL; ++k) {
-      const sv_i64 col = i + (sv_i64)k * SV_THREADS;
-      v[k] = col < end ? D::load(row, col) : sv_neg_inf();  // -inf pads are skipped
-    }
+    sv_load_unrolled<D>(row, i, end, v);  // -inf pads are skipped
 #pragma unroll
     for (int k = 0; k < SV_UNROLL; ++k) sv_online(v[k], scale, m, s, bad);
   }
@@ -1091,11 +1095,7 @@ __device__ __forceinline__ void sv_sigmoid(const sv_ctx<D>& x, sv_i64 chunk2, fl
   int bad = 0;
   for (sv_i64 i = start + threadIdx.x; i < end; i += (sv_i64)SV_THREADS * SV_UNROLL) {
     float v[SV_UNROLL];
-#pragma unroll
-    for (int k = 0; k < SV_UNROLL; ++k) {
-      const sv_i64 col = i + (sv_i64)k * SV_THREADS;
-      v[k] = col < end ? D::load(row, col) : sv_neg_inf();  // pads: neither NaN, +inf nor finite
-    }
+    sv_load_unrolled<D>(row, i, end, v);
 #pragma unroll
     for (int k = 0; k < SV_UNROLL; ++k) {
       const float xv = v[k];

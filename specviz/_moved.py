@@ -96,7 +96,9 @@ def install() -> None:
 
 def forward(package: str, name: str) -> object:
     """`name` from the module that `package` was before it became a package (for its `__getattr__`)."""
-    if name.startswith("__"):  # introspection (copy, pickle, inspect) asks for these: never the old module's
+    # Dunder names are introspection's (copy, pickle, inspect); a submodule's name is the import system asking
+    # before it loads that submodule: neither is the old module's.
+    if name.startswith("__") or importlib.util.find_spec(f"{package}.{name}") is not None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     module = importlib.import_module("specviz." + MOVED[package.removeprefix("specviz.")])
     try:

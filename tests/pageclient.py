@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 from gradio_client import Client
 
-import app
+from specviz.page import app
 from specviz.page import actions as page
 from specviz.runs.settings import Settings
 
@@ -171,12 +171,12 @@ def article(session: int) -> str:
 
 def run_values(text: str, model_dirs: tuple[str, str], new_tokens: int) -> dict[str, Any]:
     # measure off: the target-only reference would double every run and is not what is under test
-    return {"article": text, "audio": None, "reference_summary": "", "reference_transcript": "",
+    return {"task": "text", "article": text, "audio": None, "reference_summary": "", "reference_transcript": "",
             "measure": False, **settings(model_dirs, new_tokens)}
 
 
 def compare_values(text: str, model_dirs: tuple[str, str], new_tokens: int) -> dict[str, Any]:
-    return {"article": text, "audio": None, "rounds": 1, "with_hf": False, **settings(model_dirs, new_tokens)}
+    return {"task": "text", "article": text, "audio": None, "rounds": 1, "with_hf": False, **settings(model_dirs, new_tokens)}
 
 
 def export_path(shown: dict[str, Any]) -> Path:

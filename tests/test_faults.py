@@ -99,7 +99,10 @@ while line := sys.stdin.readline():
 PRELUDE = """
 import json, os, shutil, time
 from pathlib import Path
-from specviz import cache, page, whisper_loader
+from specviz import cache
+from specviz.page import actions as page
+from specviz.speech import whisper_loader
+from specviz.traces.json_format import load_trace
 from specviz.traces.trace import Trace
 print("EXPORT_DIR", page.EXPORT_DIR, flush=True)
 """
@@ -484,8 +487,8 @@ for i in range(ARGS["exports"]):
 
 FRESH_EXPORTS = r'''
 import json, sys
-from specviz import page
-from specviz.traces.trace import Trace
+from specviz.page import actions as page
+from specviz.traces.json_format import load_trace
 small = load_trace(sys.argv[1])
 print(json.dumps([page.export(small) for _ in range(page.EXPORTS_KEPT)]))
 '''

@@ -7,7 +7,7 @@ import json
 
 import gradio as gr
 
-import app
+from specviz.page import app
 from specviz.page import handlers, actions as page, sessions
 from specviz.runs import settings
 from specviz.config import SpecConfig
@@ -21,9 +21,11 @@ from specviz.traces.trace import Trace
 from conftest import decode
 
 
-def _server(pair, shelf: TraceShelf | None = None, tmp=None) -> handlers.Server:
+def _server(pair, shelf: TraceShelf | None = None, tmp=None,
+            limits: sessions.VisitorLimits = sessions.VisitorLimits()) -> handlers.Server:
     return handlers.Server(sessions.ModelCache(loader=lambda draft, target, progress: pair), sessions.Stops(),
-                           page.References(), shelf or TraceShelf(page.EXPORT_DIR.parent / "specviz-test-shelf", 10**8))
+                           page.References(), shelf or TraceShelf(page.EXPORT_DIR.parent / "specviz-test-shelf", 10**8),
+                           limits)
 
 
 def _values(**overrides) -> dict:
@@ -169,3 +171,36 @@ def test_evaluate_refuses_a_big_sweep_and_a_bad_results_file(tiny_pair, tmp_path
     refused = handlers.evaluate_upload({"eval_upload": str(bad)})
     assert set(refused) == {"status", "eval_upload"} and "line 2" in refused["status"]
     assert handlers.evaluate_upload({"eval_upload": None}) == {}
+
+
+def test_a_shared_page_caps_what_one_visitor_holds_before_any_model_loads(tiny_pair):
+    loads = []
+
+    def loader(draft, target, progress):
+        loads.append(target)
+        return tiny_pair
+
+    server = handlers.Server(sessions.ModelCache(loader=loader), sessions.Stops(), page.References(),
+                             TraceShelf(page.EXPORT_DIR.parent / "specviz-test-shelf", 10**8), sessions.SHARED_LIMITS)
+    limits = sessions.SHARED_LIMITS
+    refused = [
+        list(handlers.run(server, _values(max_new_tokens=limits.max_new_tokens + 1), _caller()[0]))[-1],
+        list(handlers.run(server, _values(sequences=limits.sequences + 1), _caller()[0]))[-1],
+        list(handlers.compare(server, {**_values(max_new_tokens=limits.compare_tokens + 1), "rounds": 1,
+                                       "with_hf": False}, _caller()[0]))[-1],
+        list(handlers.compare(server, {**_values(max_new_tokens=8), "rounds": limits.compare_rounds + 1,
+                                       "with_hf": False}, _caller()[0]))[-1],
+        list(handlers.evaluate(server, {**_values(), "eval_data": "text",
+                                        "eval_examples": limits.eval_examples + 1}, _caller()[0]))[-1],
+    ]
+    for update in refused:
+        assert set(update) == {"status"} and "this page is shared" in update["status"], update
+    assert not loads  # refused before anything loaded
+    # within the limits the same server runs
+    final = list(handlers.run(server, _values(decoding="greedy", max_new_tokens=8), _caller()[0]))[-1]
+    assert final["status"].count("Done") == 1 and "error" not in final["status"]
+
+
+def test_a_local_page_caps_nothing():
+    assert not sessions.VisitorLimits().shared and sessions.SHARED_LIMITS.shared
+    assert not app.shared_by_strangers("127.0.0.1") and app.shared_by_strangers("0.0.0.0")

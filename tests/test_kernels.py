@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import dataclasses
 import functools
 import os
 import shutil
@@ -330,53 +331,59 @@ def _cpu_case(B=2, gamma=3, V=50, dtype=torch.float32, seed=0):
     return tokens, dl, tl, u, u_res
 
 
+def _prepare(mode, draft_tokens, draft_logits, target_logits, u, u_res, *, state, sms=132, **settings):
+    """plan._prepare of these tensors and settings: the device-agnostic half of `launch`."""
+    spec = kernels.LaunchSpec.of(mode, draft_tokens, draft_logits, target_logits, u, u_res, sms=sms, **settings)
+    return kernels.plan._prepare(spec, draft_tokens, draft_logits, target_logits, u, u_res, state)
+
+
 def test_prepare_grids_and_buffers():
     """The device-agnostic half of verify_cuda on CPU tensors: grids, chunking, input validation."""
     tokens, dl, tl, u, ur = _cpu_case(B=3, gamma=4, V=1000)
     state = torch.zeros(kernels.state_size(3, 4), dtype=torch.int32)
-    prep = kernels.plan._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
-                            sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333)
+    prep = _prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
+                    sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333)
     (n1, g1, a1), (n2, g2, a2) = prep.launches
     assert (n1, g1) == ("sv_exact_stats_f32", (4, 9, 3))  # ceil(1000/300) chunks × (2γ+1) rows × B
     assert (n2, g2) == ("sv_exact_resample_f32", (4, 3, 1))  # ceil(1000/333) chunks × B
     assert len(a1) == 17 and len(a2) == 25
     assert a1[11] == 0 and a1[12] == np.float32(1.0) and a2[-2] == 0  # no top-k, no top-p, no thresholds
-    prep = kernels.plan._prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
-                            sigmoid_alpha=-1.0, sigmoid_beta=1.0, state=state, sms=132, residual_chunk=999)
+    prep = _prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
+                    sigmoid_alpha=-1.0, sigmoid_beta=1.0, state=state, sms=132, residual_chunk=999)
     ((name, grid, args),) = prep.launches
     assert (name, grid, len(args)) == ("sv_sigmoid_f16", (2, 9, 3), 23)
     assert args[-1] == 0  # no thresholds
     # top-p: launch 1 gets fp32(top_p) and finds thresholds; launch 2 reads them
-    prep = kernels.plan._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
-                            sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333, top_p=0.9)
+    prep = _prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
+                    sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333, top_p=0.9)
     (n1, _, a1), (_, _, a2) = prep.launches
     assert n1 == "sv_exact_stats_topp_f32"
     assert a1[12] == np.float32(0.9) and a1[12].dtype == np.float32 and a1[15] != 0 and a2[-2] == 1
-    prep = kernels.plan._prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
-                            sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333, topk=7)
+    prep = _prepare("exact", tokens, dl, tl, u, ur, scale=1.0, lenience=1.0, sigmoid_alpha=-1e4,
+                    sigmoid_beta=1e4, state=state, sms=132, stats_chunk=300, residual_chunk=333, topk=7)
     assert prep.launches[0][0] == "sv_exact_stats_topk_f32" and prep.launches[0][2][12] == np.float32(1.0)
     # sigmoid with top-k / top-p: launch 1 of exact for the thresholds, then the sigmoid launch reading them
-    prep = kernels.plan._prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
-                            sigmoid_alpha=-1.0, sigmoid_beta=1.0, state=state, sms=132, stats_chunk=300,
-                            residual_chunk=999, topk=5, top_p=0.5)
+    prep = _prepare("sigmoid", tokens, dl.half(), tl.half(), u, ur, scale=1.0, lenience=1.0,
+                    sigmoid_alpha=-1.0, sigmoid_beta=1.0, state=state, sms=132, stats_chunk=300,
+                    residual_chunk=999, topk=5, top_p=0.5)
     (n1, g1, a1), (n2, g2, a2) = prep.launches
     assert (n1, g1, n2, g2) == ("sv_exact_stats_topp_f16", (4, 9, 3), "sv_sigmoid_filtered_f16", (2, 9, 3))
     assert a1[11] == 5 and a1[15] == a2[-1] != 0  # the same rowstat
     bad = dict(scale=1.0, lenience=1.0, sigmoid_alpha=-1e4, sigmoid_beta=1e4, state=state, sms=132)
     with pytest.raises(ValueError, match="γ <="):
-        kernels.plan._prepare("exact", torch.zeros(1, 300, dtype=torch.long), torch.zeros(1, 300, 5),
-                         torch.zeros(1, 301, 5), torch.zeros(1, 300), torch.zeros(1), **bad)
+        _prepare("exact", torch.zeros(1, 300, dtype=torch.long), torch.zeros(1, 300, 5),
+                 torch.zeros(1, 301, 5), torch.zeros(1, 300), torch.zeros(1), **bad)
     with pytest.raises(ValueError, match="lenience"):
-        kernels.plan._prepare("exact", tokens, dl, tl, u, ur, **{**bad, "lenience": 0.0})
+        _prepare("exact", tokens, dl, tl, u, ur, **{**bad, "lenience": 0.0})
     with pytest.raises(ValueError, match="unknown CUDA verification mode"):
-        kernels.plan._prepare("baseline", tokens, dl, tl, u, ur, **bad)
+        _prepare("baseline", tokens, dl, tl, u, ur, **bad)
     with pytest.raises(ValueError, match="target_logits must be"):
-        kernels.plan._prepare("exact", tokens, dl, tl[:, :3], u, ur, **bad)
+        _prepare("exact", tokens, dl, tl[:, :3], u, ur, **bad)
     with pytest.raises(ValueError, match="in-kernel top-k"):
-        kernels.plan._prepare("sigmoid", tokens, dl, tl, u, ur, **bad, topk=kernels.MAX_TOPK + 1)
+        _prepare("sigmoid", tokens, dl, tl, u, ur, **bad, topk=kernels.MAX_TOPK + 1)
     for top_p in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="top_p must be in"):
-            kernels.plan._prepare("exact", tokens, dl, tl, u, ur, **bad, top_p=top_p)
+            _prepare("exact", tokens, dl, tl, u, ur, **bad, top_p=top_p)
 
 
 def test_plan_is_cached_and_only_pointers_change():
@@ -387,9 +394,9 @@ def test_plan_is_cached_and_only_pointers_change():
     opts = dict(scale=1.0, lenience=1.0, sigmoid_alpha=-1e4, sigmoid_beta=1e4, state=state, sms=132)
     a = _cpu_case(B=3, gamma=4, V=1000, seed=1)
     b = _cpu_case(B=3, gamma=4, V=1000, seed=2)
-    pa = kernels.plan._prepare("exact", *a, **opts, topk=10)
+    pa = _prepare("exact", *a, **opts, topk=10)
     plan = next(iter(kernels.plan._plans.values()))
-    pb = kernels.plan._prepare("exact", *b, **opts, topk=10)
+    pb = _prepare("exact", *b, **opts, topk=10)
     assert len(kernels.plan._plans) == 1 and next(iter(kernels.plan._plans.values())) is plan
     for (na, ga, xa), (nb, gb, xb), (_, _, _, slots) in zip(pa.launches, pb.launches, plan.launches):
         assert (na, ga) == (nb, gb)
@@ -398,10 +405,54 @@ def test_plan_is_cached_and_only_pointers_change():
             if i not in pointer_args:
                 assert type(va) is type(vb) and va == vb, (na, i)
         assert xa[0] == a[2].data_ptr() and xb[0] == b[2].data_ptr()  # target logits
-    kernels.plan._prepare("exact", *a, **{**opts, "lenience": 0.5}, topk=10)  # another setting: another plan
-    kernels.plan._prepare("exact", a[0], a[1], a[2].transpose(0, 1).contiguous().transpose(0, 1), *a[3:], **opts, topk=10)
-    kernels.plan._prepare("exact", *a, **opts, topk=10, top_p=0.9)
+    _prepare("exact", *a, **{**opts, "lenience": 0.5}, topk=10)  # another setting: another plan
+    _prepare("exact", a[0], a[1], a[2].transpose(0, 1).contiguous().transpose(0, 1), *a[3:], **opts, topk=10)
+    _prepare("exact", *a, **opts, topk=10, top_p=0.9)
     assert len(kernels.plan._plans) == 4
+
+
+def test_launch_spec_is_the_plan_key():
+    """LaunchSpec: frozen and hashable; equal for two calls with equal layouts and settings (one plan entry),
+    different when a setting (top_p) or a stride changes (another entry)."""
+    spec_of = functools.partial(kernels.LaunchSpec.of, "exact", sms=132, scale=0.5, topk=10)
+    a = _cpu_case(B=3, gamma=4, V=1000, seed=1)
+    b = _cpu_case(B=3, gamma=4, V=1000, seed=2)
+    spec = spec_of(*a)
+    assert (spec.batch, spec.gamma, spec.vocab, spec.target_strides, spec.target_dtype) == (
+        3, 4, 1000, (5000, 1000, 1), torch.float32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.top_p = 0.5
+    assert spec_of(*b) == spec and hash(spec_of(*b)) == hash(spec)
+    assert spec_of(*a, top_p=0.9) != spec and spec_of(*a, top_p=0.9) == spec_of(*b, top_p=0.9)
+    transposed = a[2].transpose(0, 1).contiguous().transpose(0, 1)
+    assert spec_of(a[0], a[1], transposed, *a[3:]) != spec
+    with pytest.raises(TypeError):
+        spec_of(*a, top_q=0.9)
+    with pytest.raises(ValueError, match="u must be"):
+        spec_of(*a[:4], a[4][:2])
+
+    kernels.plan._plans.clear()
+    plan = kernels.plan._cached_plan(spec)
+    assert kernels.plan._cached_plan(spec_of(*b)) is plan and list(kernels.plan._plans) == [spec]
+    assert kernels.plan._cached_plan(spec_of(*b, top_p=0.9)) is not plan and len(kernels.plan._plans) == 2
+
+
+def test_converted_logits_are_read_contiguous():
+    """Mixed dtypes go through fp32 and a strided last dimension through a copy: the kernels read contiguous
+    copies, and the plan's stride arguments are theirs."""
+    tokens, dl, tl, u, ur = _cpu_case(B=2, gamma=3, V=50, seed=3)
+    state = torch.zeros(kernels.state_size(2, 3), dtype=torch.int32)
+    permuted = tl.transpose(1, 2).contiguous().transpose(1, 2).half()  # fp16, last dimension strided
+    strided = torch.zeros(2, 3, 100).index_copy_(2, torch.arange(0, 100, 2), dl)[..., ::2]
+    for draft, target in ((dl, permuted), (strided, tl), (dl.bfloat16(), tl.half())):
+        prep = _prepare("exact", tokens, draft, target, u, ur, state=state)
+        name, _, args = prep.launches[0]
+        target_read, draft_read = prep.keep[:2]
+        assert name == "sv_exact_stats_f32"
+        for read, given in ((target_read, target), (draft_read, draft)):
+            assert read.is_contiguous() and torch.equal(read.float(), given.float())
+        assert args[0] == target_read.data_ptr() and args[3] == draft_read.data_ptr()
+        assert (args[1], args[2], args[4], args[5]) == (4 * 50, 50, 3 * 50, 50)
 
 
 def test_loads_this_repositorys_kernels_and_never_a_package_named_kernels(tmp_path):
@@ -459,21 +510,24 @@ def test_plan_cache_is_shared_across_threads(monkeypatch):
     cases = [_cpu_case(B=3, gamma=4, V=1000, seed=1), _cpu_case(B=2, gamma=3, V=700, seed=2)]
 
     def plan_of(i):
-        return plan_module._cached_plan("exact", *cases[i % 2], **opts, topk=10 * (i % 3))
+        return plan_module._cached_plan(kernels.LaunchSpec.of("exact", *cases[i % 2], **opts, topk=10 * (i % 3)))
+
+    def rows_and_batch(plan):  # of launch 1's grid (K1, 2γ+1, B): which case the plan is for
+        return plan.launches[0][1][1:]
 
     plans = _race(12, plan_of)
     assert len(plan_module._plans) == 6
     for i, plan in enumerate(plans):
         assert all(plan is other for j, other in enumerate(plans) if j % 6 == i % 6)
-        assert (plan.batch, plan.vocab) == ((3, 1000), (2, 700))[i % 2]
+        assert rows_and_batch(plan) == ((9, 3), (7, 2))[i % 2]
 
     monkeypatch.setattr(plan_module, "_MAX_PLANS", 2)
     for _ in range(5):
         plan_module._plans.clear()
         plans = _race(12, plan_of)
         assert len(plan_module._plans) <= 2
-        assert [(p.batch, p.vocab) for p in plans] == [((3, 1000), (2, 700))[i % 2] for i in range(12)]
-    prep = plan_module._prepare("exact", *cases[0], **opts, state=state, topk=10)
+        assert [rows_and_batch(p) for p in plans] == [((9, 3), (7, 2))[i % 2] for i in range(12)]
+    prep = _prepare("exact", *cases[0], **opts, state=state, topk=10)
     assert prep.launches[0][2][11] == 10  # a plan built under contention still launches with its settings
 
 
@@ -617,9 +671,8 @@ def test_kernel_args():
 def test_verify_passes_the_filters_to_the_kernels(monkeypatch):
     """verify's kernel path (entered directly: no GPU here) launches with kernel_args' options and builds its
     result from the launch's readback."""
-    import sys
+    from specviz.verify.cuda import verify_kernels
 
-    verify_module = sys.modules["specviz.verify"]
     tokens, dl, tl, _, _ = _cpu_case(B=2, gamma=3, V=50, seed=8)
     seen = {}
 
@@ -633,8 +686,7 @@ def test_verify_passes_the_filters_to_the_kernels(monkeypatch):
 
     monkeypatch.setattr(kernels, "launch", fake_launch)
     sampling = SamplingConfig(temperature=1.2, top_p=0.8)
-    res = verify_module._verify_kernels("sigmoid", tokens, dl, tl, sampling, torch.Generator().manual_seed(0),
-                                        0.9, -3.0, 3.0)
+    res = verify_kernels("sigmoid", tokens, dl, tl, sampling, torch.Generator().manual_seed(0), 0.9, -3.0, 3.0)
     assert seen["mode"] == "sigmoid" and seen["draft_logits"] is dl
     assert (seen["topk"], seen["top_p"], seen["lenience"]) == (0, 0.8, 0.9)
     assert seen["scale"] == float(kernels.topk_scale(1.2))
@@ -901,9 +953,9 @@ def emulate(so, mode, tokens, dl, tl, u, u_res, *, scale=1.0, lenience=1.0, alph
     B, gamma = tokens.shape
     if state is None:
         state = torch.zeros(kernels.state_size(B, gamma) + 7, dtype=torch.int32)
-    prep = kernels.plan._prepare(mode, tokens, dl, tl, u, u_res, scale=scale, lenience=lenience, sigmoid_alpha=alpha,
-                            sigmoid_beta=beta, state=state, sms=sms, stats_chunk=stats_chunk,
-                            residual_chunk=residual_chunk, topk=topk, top_p=top_p)
+    prep = _prepare(mode, tokens, dl, tl, u, u_res, scale=scale, lenience=lenience, sigmoid_alpha=alpha,
+                    sigmoid_beta=beta, state=state, sms=sms, stats_chunk=stats_chunk, residual_chunk=residual_chunk,
+                    topk=topk, top_p=top_p)
     for name, grid, args in prep.launches:
         arrays = [np.asarray(a) for a in args]
         bufs = [ctypes.create_string_buffer(a.tobytes(), a.nbytes) for a in arrays]
@@ -914,7 +966,7 @@ def emulate(so, mode, tokens, dl, tl, u, u_res, *, scale=1.0, lenience=1.0, alph
         assert rc == 0, f"{name} {grid}: {err.value.decode()}"
     assert bool((state == 0).all()), "the kernels must leave their ticket counters and error words at zero"
     views = kernels.outputs._views(prep.buffer, B, gamma)
-    kernels.raise_for_errors(views.pop("errors"), prep.vocab)
+    kernels.raise_for_errors(views.pop("errors"), tl.shape[-1])
     name, _, args = prep.launches[0]
     if name.startswith("sv_exact_stats") and int(args[15]):  # top-k / top-p: the rows' (threshold, L)
         at = int(args[15]) - prep.buffer.data_ptr()

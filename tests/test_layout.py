@@ -58,7 +58,6 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 target = target.rsplit(".", 1)[0]
             if target in known and target != name and target.startswith("specviz"):
                 out.add(target)
-    # `from specviz.x import y` also runs specviz.x's package __init__, which is documentation only
     return out
 
 

@@ -10,7 +10,7 @@ import random
 import gradio as gr
 import pytest
 
-import app
+from specviz.page import app
 from specviz.cli import commands as cli
 from specviz.runs import settings
 from specviz.config import SamplingConfig, SpecConfig

@@ -251,7 +251,7 @@ def test_exports_from_many_sessions_and_processes_at_once_never_fail(monkeypatch
     for _ in range(page.EXPORTS_KEPT):
         page.download_folder()
     other = subprocess.Popen([sys.executable, "-c", (
-        "import sys; from pathlib import Path; from specviz import page; page.EXPORT_DIR = Path(sys.argv[1]); "
+        "import sys; from pathlib import Path; from specviz.page import actions as page; page.EXPORT_DIR = Path(sys.argv[1]); "
         "[page.download_folder() for _ in range(300)]"), str(tmp_path / "exports")],
         cwd=Path(__file__).resolve().parents[1])
     errors: list[BaseException] = []

@@ -63,6 +63,7 @@ class Server:
     stops: sessions.Stops
     references: page.References
     traces: TraceShelf  # every session's traces; a session's "trace" state holds only its shelf.Ticket
+    limits: sessions.VisitorLimits = sessions.VisitorLimits()  # SHARED_LIMITS where strangers share the page
 
 
 def stamp(message: str) -> str:
@@ -127,6 +128,7 @@ def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
     task, progress = values["task"], caller.progress
     try:
         settings = settings_of(values)
+        server.limits.check_run(settings)
         source_input = _source_input(values)
         yield {"status": stamp("Loading models and reading the input…"), "export": gr.DownloadButton(interactive=False),
                "results": gr.Tabs(selected="run-results")}
@@ -191,6 +193,7 @@ def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]
     try:
         settings = settings_of(values)
         rounds = int(values["rounds"])
+        server.limits.check_compare(settings, rounds)
         yield {"status": stamp("Comparing: loading models…"), "results": gr.Tabs(selected="compare-results")}
         stages: list[str] = []
 
@@ -247,6 +250,15 @@ def open_compared(server: Server, values: Values) -> Updates:
     if trace is None:
         return {"status": stamp(GONE)}
     return opened(server, trace, f"Opened the {html.escape(name)} run of the comparison.")
+
+
+def export(server: Server, values: Values) -> Updates:
+    """The session's current trace as a file to download (the API's `export`; the page's Export button already
+    holds it). Written again if its file was pruned."""
+    trace = server.traces.get(values["trace"]) if values["trace"] is not None else None
+    if trace is None:
+        return {"status": stamp("Run something or load a trace first." if values["trace"] is None else GONE)}
+    return {"status": stamp("Exported."), **_exported(server, trace, values["trace"])}
 
 
 def replay(server: Server, values: Values) -> Updates:
@@ -317,6 +329,7 @@ def evaluate(server: Server, values: Values, caller: Caller) -> Iterator[Updates
         count = int(values["eval_examples"])
         if not 1 <= count <= PAGE_SWEEP_EXAMPLES:
             raise InputError(f"the page evaluates 1 to {PAGE_SWEEP_EXAMPLES} examples; the CLI runs whole data sets")
+        server.limits.check_evaluation(count)
         data = BUNDLED_TEXT if task == TEXT else BUNDLED_SPEECH
         examples = load_examples(data, limit=count)
         base = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, PAGE_SWEEP_TOKENS))

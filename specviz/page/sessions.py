@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 from specviz.models.hub import HUB_ID
 from specviz.models.loading import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
-from specviz.runs.settings import SPEECH, TEXT
-
+from specviz.runs.settings import SPEECH, TEXT, Settings
+from specviz.text.prompts import InputError
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,48 @@ class ModelAccess:
             raise ModelLoadError(f"the {role} model {name!r} is not accepted here: this server takes the default "
                                  "models, hub ids, and local models under the directories it was started with "
                                  "(--models-dir)")
+
+
+@dataclass(frozen=True)
+class VisitorLimits:
+    """What one visitor's run, comparison or evaluation may ask of a page that strangers share.
+
+    On a Space (or any non-local address) visitors share two cores and one queue: one visitor's 8192-token
+    Compare of five rounds would hold everyone else for an hour. Locally the operator is the only visitor and
+    nothing is capped. A request over a limit is refused with the limit named, before any model runs.
+    """
+
+    max_new_tokens: int | None = None  # a Run's tokens (None: no cap)
+    sequences: int | None = None  # a Run's batch of samples
+    compare_rounds: int | None = None
+    compare_tokens: int | None = None  # each run of a comparison is target-only or speculative: 5+ runs a round
+    eval_examples: int | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self != VisitorLimits()
+
+    def _over(self, what: str, value: int, cap: int | None) -> None:
+        if cap is not None and value > cap:
+            raise InputError(f"this page is shared, so {what} is at most {cap} here (asked: {value}); run specviz on "
+                             "your own machine for more")
+
+    def check_run(self, settings: Settings) -> None:
+        self._over("a run's max new tokens", settings.max_new_tokens, self.max_new_tokens)
+        self._over("a run's number of sequences", settings.sequences, self.sequences)
+
+    def check_compare(self, settings: Settings, rounds: int) -> None:
+        self._over("a comparison's max new tokens", settings.max_new_tokens, self.compare_tokens)
+        self._over("a comparison's number of rounds", rounds, self.compare_rounds)
+        self._over("a comparison's number of sequences", settings.sequences, self.sequences)
+
+    def check_evaluation(self, examples: int) -> None:
+        self._over("an evaluation's number of examples", examples, self.eval_examples)
+
+
+# On a shared page a Run of the default 96 tokens takes ~10-20 s on two cores and a Compare of 2 rounds × 4 runs
+# of 64 tokens about a minute: what one visitor holds stays within a minute or two of everyone else's wait.
+SHARED_LIMITS = VisitorLimits(max_new_tokens=256, sequences=2, compare_rounds=2, compare_tokens=64, eval_examples=2)
 
 
 class ModelCache:

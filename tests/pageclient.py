@@ -20,7 +20,7 @@ from gradio_client import Client
 
 from specviz.page import app
 from specviz.page import actions as page
-from specviz.runs.settings import Settings
+from specviz.runs.settings import TEXT, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 START_S = 120  # the app's start (imports torch and gradio)
@@ -171,12 +171,12 @@ def article(session: int) -> str:
 
 def run_values(text: str, model_dirs: tuple[str, str], new_tokens: int) -> dict[str, Any]:
     # measure off: the target-only reference would double every run and is not what is under test
-    return {"task": "text", "article": text, "audio": None, "reference_summary": "", "reference_transcript": "",
+    return {"task": TEXT, "article": text, "audio": None, "reference_summary": "", "reference_transcript": "",
             "measure": False, **settings(model_dirs, new_tokens)}
 
 
 def compare_values(text: str, model_dirs: tuple[str, str], new_tokens: int) -> dict[str, Any]:
-    return {"task": "text", "article": text, "audio": None, "rounds": 1, "with_hf": False, **settings(model_dirs, new_tokens)}
+    return {"task": TEXT, "article": text, "audio": None, "rounds": 1, "with_hf": False, **settings(model_dirs, new_tokens)}
 
 
 def export_path(shown: dict[str, Any]) -> Path:

@@ -58,6 +58,7 @@ class Watched:
     started: float | None = None  # first status past the queue (processing, progress, or finished)
     ended: float | None = None
     ranks: list[int] = field(default_factory=list)  # queue positions reported while waiting
+    etas: list[float] = field(default_factory=list)  # expected waits (s) Gradio reported while it waited
     result: dict[str, Any] | None = None  # the outputs by component name
     error: str | None = None  # the exception the client raised, or the ⚠ status line the page showed
 
@@ -77,6 +78,8 @@ def _watch(jobs: list[Watched], stop: threading.Event) -> None:
             if status.code == Status.IN_QUEUE and status.rank is not None:
                 if not w.ranks or w.ranks[-1] != status.rank:
                     w.ranks.append(status.rank)
+                if status.eta is not None:
+                    w.etas.append(status.eta)
             if w.started is None and status.code not in WAITING:
                 w.started = now
             if w.job.done():
@@ -218,4 +221,53 @@ def test_eight_sessions_at_once_each_get_their_own_result(server, model_dirs, tm
             _check_compare(w.result, solo[w.session])
     queued = [w for w in watched if w.kind == "run" and any(r >= 1 for r in w.ranks)]
     assert queued, f"no run was told a queue position: {[(w.session, w.ranks) for w in watched]}"
+    check_server_survived(server)
+
+
+OTHERS = (("run", 2), ("compare", 2))  # the four other visitors a watched visitor's Run waits among
+ROUNDS = 4
+
+
+def test_a_visitors_run_waits_its_turn_among_four_others_and_is_told_where_it_stands(server, model_dirs, tmp_path):
+    """Each round: 2 visitors run and 2 compare, all at once, and a fifth presses Run just after. Its queue wait
+    over the rounds (p50, p95), the positions and the expected waits it was told, and its result, which must be
+    its own. The expected wait is Gradio's, from the measured durations of the same event's earlier runs."""
+    watcher_article = 90
+    events, solo = _solo_runs(server, model_dirs, tmp_path / "solo", [0, 1, watcher_article])
+    watched_runs: list[Watched] = []
+    for r in range(ROUNDS):
+        plan = [(kind, i) for kind, n in OTHERS for i in range(n)]
+        clients = [pageclient.client(server, tmp_path / f"r{r}-{i}") for i in range(len(plan) + 1)]
+        try:
+            others = [Watched(kind, i, submit(clients[k], getattr(events, kind),
+                                              (run_values if kind == "run" else compare_values)(
+                                                  article(i), model_dirs, NEW_TOKENS)), time.perf_counter())
+                      for k, (kind, i) in enumerate(plan)]
+            time.sleep(0.2)  # the others are queued first
+            mine = Watched("run", watcher_article, submit(clients[-1], events.run, run_values(
+                article(watcher_article), model_dirs, NEW_TOKENS)), time.perf_counter())
+            stop = threading.Event()
+            watcher = threading.Thread(target=_watch, args=([*others, mine], stop), daemon=True)
+            watcher.start()
+            try:
+                for w in [*others, mine]:
+                    _collect(w, events, deadline=mine.submitted + JOB_S)
+            finally:
+                stop.set()
+                watcher.join(timeout=5)
+        finally:
+            for c in clients:
+                c.close()
+        assert mine.error is None and all(w.error is None for w in others), [w.error for w in [*others, mine]]
+        _check_run(mine.result, solo[watcher_article], article(watcher_article))
+        watched_runs.append(mine)
+
+    waits = [w.queue_wait for w in watched_runs]
+    print(f"\nload: a Run among {sum(n for _, n in OTHERS)} other visitors (2 running, 2 comparing), {ROUNDS} rounds, "
+          f"{NEW_TOKENS} greedy tokens, tiny models, loopback")
+    print(f"its queue wait: p50 {_percentile(waits, 50):.2f} s, p95 {_percentile(waits, 95):.2f} s, max {max(waits):.2f} s; "
+          f"positions told: {sorted({r for w in watched_runs for r in w.ranks}, reverse=True)}; "
+          f"expected waits told (s): {[round(max(w.etas), 2) for w in watched_runs if w.etas]}")
+    assert any(w.ranks and max(w.ranks) >= 1 for w in watched_runs), [w.ranks for w in watched_runs]
+    assert any(w.etas and max(w.etas) > 0 for w in watched_runs), [w.etas for w in watched_runs]
     check_server_survived(server)

@@ -369,3 +369,34 @@ def test_why_panel_shows_ten_bars_and_always_the_drafted_token():
     assert "other tokens: 0.725" in html_out  # 0.5 + 9 hidden × 0.025
     outside = _bars("p", top, "p", 99, "x", "drafted")
     assert "outside the top 20 recorded" in outside and len(rows.findall(outside)) == 10
+
+
+# ---- the summary at a glance ---------------------------------------------------------------------------
+
+
+def _cards(html_text: str) -> dict[str, str]:
+    """label → value of each glance card."""
+    found = re.findall(r'<div class="sv-card[^"]*"><div class="sv-label">(.*?)</div><div class="sv-value">(.*?)</div>',
+                       html_text)
+    return dict(found)
+
+
+def test_glance_leads_with_measured_figures_and_labels_a_prediction(exact):
+    from specviz.figures.report import glance_html, summary_markdown
+
+    # not measured: no "measured" card; a prediction is only shown labelled as one (none without a cost table)
+    cards = _cards(glance_html(exact))
+    assert not any("measured speedup" in label for label in cards)
+    assert cards["α"] == f"{exact.summary()['alpha']:.2f}" and cards["who drafted"] == "draft model"
+    assert cards["tokens / iteration"] == f"{exact.summary()['tokens_per_iteration']:.2f}"
+    measured = dataclasses.replace(exact, meta={**exact.meta, "target_only": {
+        "tokens_per_s": exact.tokens_per_s / 2, "decode_tokens_per_s": exact.decode_tokens_per_s / 2,
+        "prefill_s": 0.0, "new_tokens": exact.new_tokens, "reused": False, "outputs": exact.outputs}})
+    cards = _cards(glance_html(measured))
+    assert cards["measured speedup (decoding)"] == "2.00×"
+    assert "faster than target-only" in glance_html(measured)
+    assert summary_markdown(measured).startswith('<div class="sv-glance">')  # figures first, sentences after
+    target_only = _trace([Decision(step=0, sequence=0, gamma=0, draft_ids=[], draft_text=[], q=[], p=[],
+                                   accept_prob=[], uniform=[], outcome=[], n_accepted=0, next_id=5, next_text="t",
+                                   next_kind="target", emitted=1)], mode="target-only")
+    assert set(_cards(glance_html(target_only))) == {"tokens/s"}

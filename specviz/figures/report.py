@@ -76,9 +76,60 @@ def prediction_markdown(trace: Trace) -> str:
             f"{html.escape(sentence(p))}")
 
 
+GLANCE_CSS = """
+.sv-glance { display: flex; flex-wrap: wrap; gap: 8px; margin: 4px 0 10px; }
+.sv-card { flex: 1 1 120px; border: 1px solid #d0d7de; border-radius: 8px; padding: 6px 10px; min-width: 110px; }
+.sv-card .sv-value { font-size: 26px; font-weight: 700; line-height: 1.2; }
+.sv-card .sv-label { font-size: 12px; color: #57606a; }
+.sv-card.sv-good .sv-value { color: #1a7f37; }
+.sv-card.sv-bad .sv-value { color: #cf222e; }
+"""
+
+
+def _card(label: str, value: str, note: str = "", tone: str = "") -> str:
+    return (f'<div class="sv-card {tone}"><div class="sv-label">{label}</div><div class="sv-value">{value}</div>'
+            f'<div class="sv-label">{note}</div></div>')
+
+
+def who_drafted(trace: Trace, s: dict[str, Any]) -> str:
+    """Who proposed the drafts, in words: the draft model, prompt lookup, or both with lookup's share."""
+    kind = str(trace.config.get("draft_kind", "model"))
+    share = s.get("lookup_share") or 0.0
+    if kind == "lookup" or share >= 0.995:
+        return "prompt lookup"
+    if share > 0.005:
+        return f"lookup {100 * share:.0f}% · model {100 * (1 - share):.0f}%"
+    return "draft model"
+
+
+def glance_html(trace: Trace) -> str:
+    """The run at a glance, before the sentences: measured speedup and its verdict, tokens/s of both runs, α,
+    tokens per iteration and who drafted, as large figures that wrap on a phone. Numbers only from the trace."""
+    s = trace.summary()
+    cards = []
+    measured = measured_speedup(trace) if trace.mode != "target-only" else None
+    if measured is not None:
+        verdict = "faster" if measured.decode > 1.02 else "slower" if measured.decode < 0.98 else "no faster"
+        tone = "sv-good" if measured.decode > 1.02 else "sv-bad" if measured.decode < 0.98 else ""
+        cards.append(_card("measured speedup (decoding)", f"{measured.decode:.2f}×",
+                           f"{verdict} than target-only · {measured.end_to_end:.2f}× with prefill", tone))
+    elif trace.mode != "target-only" and (p := predict(trace)) is not None:
+        cards.append(_card("predicted speedup (not measured)", f"{p.speedup:.2f}×", "from this run's measured costs"))
+    ref = trace.target_only
+    reference = f"target-only {number(ref, 'decode_tokens_per_s'):.1f}" if ref and measured is not None else "decoding"
+    cards.append(_card("tokens/s", f"{s['decode_tokens_per_s']:.1f}", reference))
+    if "alpha" in s:
+        cards.append(_card("α", f"{s['alpha']:.2f}", "chance a draft passes"))
+        cards.append(_card("tokens / iteration", f"{s['tokens_per_iteration']:.2f}",
+                           f"Leviathan predicts {s['predicted_tokens_per_iteration']:.2f}"))
+        policy = html.escape(str(trace.config.get("gamma_policy", "")))[:20]
+        cards.append(_card("who drafted", html.escape(who_drafted(trace, s)), f"γ policy {policy}"))
+    return f'<div class="sv-glance">{"".join(cards)}</div>'
+
+
 def summary_markdown(trace: Trace) -> str:
     s = trace.summary()
-    lines = []
+    lines = [glance_html(trace)]
     if trace.stopped:
         lines.append(f"**Stopped** after {len(trace.steps)} iterations: the trace holds what was decoded so far.")
     reused = number(trace.meta, "prompts_reused")

@@ -19,8 +19,9 @@ from specviz.models.loading import cache_dir
 from specviz.text.prompts import ASSETS, sample_article
 from specviz.figures.token_view import TOKEN_CSS
 from specviz.figures.why_panel import WHY_CSS
+from specviz.figures.report import GLANCE_CSS
 
-CSS = TOKEN_CSS + WHY_CSS + """
+CSS = TOKEN_CSS + WHY_CSS + GLANCE_CSS + """
 #status { min-height: 2.2em; }
 #status .error { color: #cf222e; font-weight: 600; }
 .sv-warning { background: #fff8c5; border: 1px solid #d4a72c; border-radius: 6px; padding: 8px 12px; }

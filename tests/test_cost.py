@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from specviz.decoding import cost, engine
+from specviz.decoding import engine
 from specviz import theory
+from specviz.theory import expected_tokens_by_position
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.decoding.cost import (CALIBRATION_TOKENS, CostModel, RunningAcceptance, best_gamma, break_even_alpha, calibrate, expected_speedup, expected_tokens)
+from specviz.decoding.acceptance import RunningAcceptance
+from specviz.decoding.calibration import CALIBRATION_TOKENS, MAX_GAMMA, calibrate
+from specviz.decoding.cost import CostModel
+from specviz.decoding.expectation import best_gamma, break_even_alpha, expected_speedup, speedups
 from specviz.decoding.gamma import CostAware, Feedback
 from specviz.models.loading import ModelPair
 from specviz.decoding.records import BONUS, RESAMPLED, TARGET
@@ -48,13 +52,14 @@ def synthetic(t1: float = 0.1, per_token: float = 0.02, draft: float = 0.01, pla
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.77, 0.95, 1.0])
 @pytest.mark.parametrize("gamma", [0, 1, 4, 9])
 def test_one_alpha_is_leviathans_formula(alpha, gamma):
-    assert expected_tokens([alpha], gamma) == pytest.approx(theory.expected_tokens(alpha, gamma))
+    assert expected_tokens_by_position([alpha], gamma) == pytest.approx(theory.expected_tokens(alpha, gamma))
 
 
 def test_alphas_by_position_multiply():
     a = [0.9, 0.5, 0.2]
-    assert expected_tokens(a, 3) == pytest.approx(1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2)
-    assert expected_tokens(a, 5) == pytest.approx(1 + 0.9 + 0.45 + 0.09 + 0.018 + 0.0036)  # the last α repeats
+    assert expected_tokens_by_position(a, 3) == pytest.approx(1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2)
+    # the last α repeats
+    assert expected_tokens_by_position(a, 5) == pytest.approx(1 + 0.9 + 0.45 + 0.09 + 0.018 + 0.0036)
 
 
 def test_flat_cost_is_leviathans_speedup():
@@ -70,7 +75,7 @@ def test_measured_cost_speedup_closed_form():
     alphas = [[0.8, 0.7], [0.6]]  # two rows of a batch of 2, measured at B = 2 below
     m2 = synthetic(t1=0.15, per_token=0.05, draft=0.03, plain=0.16, verify=0.004, other=0.001, batch=2)
     for gamma in (1, 2, 5):
-        tokens = expected_tokens(alphas[0], gamma) + expected_tokens(alphas[1], gamma)
+        tokens = expected_tokens_by_position(alphas[0], gamma) + expected_tokens_by_position(alphas[1], gamma)
         iteration = gamma * 0.03 + 0.15 + 0.05 * gamma + 0.004 + 0.001
         assert expected_speedup(m2, 2, gamma, alphas) == pytest.approx(tokens / iteration * 0.16 / 2)
     assert m.iteration_s(1, 0) == pytest.approx(0.105)  # γ = 0: a plain step
@@ -82,8 +87,8 @@ def test_measured_cost_speedup_closed_form():
 def test_best_gamma_is_the_brute_force_optimum(alpha, per_token, draft):
     m = synthetic(t1=0.1, per_token=per_token, draft=draft, verify=0.002, other=0.001)
     gamma, speedup = best_gamma(m, 1, [[alpha]])
-    grid = {g: expected_speedup(m, 1, g, [[alpha]]) for g in range(0, cost.MAX_GAMMA + 1)}
-    assert cost.speedups(m, 1, [[alpha]]) == pytest.approx([grid[g] for g in sorted(grid)])  # the one-pass table
+    grid = {g: expected_speedup(m, 1, g, [[alpha]]) for g in range(0, MAX_GAMMA + 1)}
+    assert speedups(m, 1, [[alpha]]) == pytest.approx([grid[g] for g in sorted(grid)])  # the one-pass table
     best = max(grid.values())
     assert speedup == pytest.approx(best)
     assert gamma == min(g for g, s in grid.items() if s == best)
@@ -170,7 +175,7 @@ def test_policy_picks_the_expected_best_gamma():
     p = CostAware(costs=m)
     for _ in range(60):
         p.update(feedback(p.current() or 1, {0: [0.9] * max(1, p.current())}))
-    alphas = [p.acceptance.alphas(None, cost.MAX_GAMMA)]
+    alphas = [p.acceptance.alphas(None, MAX_GAMMA)]
     assert p.current() == best_gamma(m, 1, alphas)[0] > 3
 
 
@@ -187,9 +192,9 @@ def test_policy_steps_plainly_and_probes_by_expected_loss_where_nothing_pays():
     assert probes and all(gammas[i] == 1 for i in probes)  # γ = 1 is the cheapest probe on this curve
     # a probe here loses (0.05 + 0.19 + 0.05 draft catching up) / 0.1 - (1 + α) ≈ 1.6 plain steps: one probe
     # per ~54 plain steps keeps probing at 3% of the time
-    alphas = [p.acceptance.alphas(None, cost.MAX_GAMMA)]
+    alphas = [p.acceptance.alphas(None, MAX_GAMMA)]
     spacing = p.probe_after(1, 1, expected_speedup(m, 1, 1, alphas))
-    assert spacing == math.ceil((2.9 - expected_tokens(alphas[0], 1)) / CostAware.EXPLORE_SHARE)
+    assert spacing == math.ceil((2.9 - expected_tokens_by_position(alphas[0], 1)) / CostAware.EXPLORE_SHARE)
     gaps = np.diff(probes).tolist()
     assert abs(gaps[-1] - (spacing + 1)) <= 1 and gaps == sorted(gaps)  # α falls from the prior probe by probe
     assert sum(g == 0 for g in gammas) / len(gammas) > 0.95
@@ -372,7 +377,8 @@ def test_prediction_and_its_sentence_on_a_run(tiny_pair, prompt_ids):
     assert p is not None and p.gamma == 3 and p.batch == 1
     costs = CostModel.from_dict(trace.meta["costs"])
     alphas = trace.alpha_by_position()
-    assert p.tokens_per_iteration == pytest.approx(expected_tokens(alphas, 3), rel=0.1)  # the last may be cut
+    # the last iteration may be cut
+    assert p.tokens_per_iteration == pytest.approx(expected_tokens_by_position(alphas, 3), rel=0.1)
     drafting = [s for s in trace.steps if s.gamma]
     assert p.split_s["target"] == pytest.approx(float(np.median([s.target_s for s in drafting])))
     assert p.plain_s == pytest.approx(costs.plain_s(1))

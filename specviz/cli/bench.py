@@ -7,15 +7,35 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from specviz.cli import common
+from specviz.config import SpecConfig
 from specviz import machine
 from specviz.text.prompts import InputError
 from specviz.runs.decode import run
 from specviz.runs.settings import SPEECH, TEXT, add_flags
 from specviz.text.source import article_source
+from specviz.models.loading import ModelPair
+
+if TYPE_CHECKING:  # the speech stack loads only for the speech benchmarks
+    from specviz.speech.asr import SpeechPair
+
+
+def _report_pair(args: argparse.Namespace, pair: ModelPair | SpeechPair, cfg: SpecConfig, statistic: str,
+                 results: dict, about_run: str = "") -> None:
+    """The closing line of a benchmark on a draft/target pair (models, dtype, `about_run`, machine), and with
+    --json its file: what was measured, on what and how, then `results`."""
+    dtype = str(pair.dtype).removeprefix("torch.")
+    print(f"\n{pair.draft_name} → {pair.target_name}, {dtype}{about_run}, {machine.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": machine.describe(), "models": f"{pair.draft_name} → {pair.target_name}", "dtype": dtype,
+            "input": args.inputs or ["sample article"], "repeat": args.repeat, "config": cfg.to_dict(),
+            "statistic": statistic, **results}, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
 
 
 def cmd_bench_speech_draft(args: argparse.Namespace) -> int:
@@ -65,15 +85,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
                   f"{m['target_calls']:12d} {common.fmt(m['padding_fraction'], '7.3f'):>7s} {common.fmt(m['cache_hole_fraction'], '6.3f'):>6s}")
         print(f"   speedup: total {r['speedup_total']:.2f}×, per sequence {r['speedup_per_sequence']:.2f}× "
               f"(decode only {r['speedup_decode_per_sequence']:.2f}×)")
-    dtype = str(pair.dtype).removeprefix("torch.")
-    print(f"\n{pair.draft_name} → {pair.target_name}, {dtype}, {machine.describe()}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "machine": machine.describe(), "models": f"{pair.draft_name} → {pair.target_name}", "dtype": dtype,
-            "input": args.inputs or ["sample article"], "repeat": args.repeat, "config": cfg.to_dict(),
-            "statistic": "per side, the median run by decode time of `repeat` interleaved rounds, after a warm-up",
-            "rows": rows}, indent=2))
-        print(f"results written to {args.json}", file=sys.stderr)
+    _report_pair(args, pair, cfg, "per side, the median run by decode time of `repeat` interleaved rounds, after a "
+                 "warm-up", {"rows": rows})
     return 0
 
 
@@ -152,15 +165,8 @@ def cmd_bench_drafts(args: argparse.Namespace) -> int:
         print(f"draft step, head of {r['size']:,} tokens: {r['draft_step_ms']:.1f} ms")
     if "target_step_ms" in figures:
         print(f"target step: {figures['target_step_ms']:.1f} ms")
-    dtype = str(pair.dtype).removeprefix("torch.")
-    print(f"\n{pair.draft_name} → {pair.target_name}, {dtype}, {len(output)} output tokens, {machine.describe()}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "machine": machine.describe(), "models": f"{pair.draft_name} → {pair.target_name}", "dtype": dtype,
-            "input": args.inputs or ["sample article"], "repeat": args.repeat, "config": cfg.to_dict(),
-            "statistic": "teacher-forced along the target-only greedy output; step times: median of `repeat`",
-            **figures}, indent=2))
-        print(f"results written to {args.json}", file=sys.stderr)
+    _report_pair(args, pair, cfg, "teacher-forced along the target-only greedy output; step times: median of "
+                 "`repeat`", figures, f", {len(output)} output tokens")
     return 0
 
 

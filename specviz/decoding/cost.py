@@ -1,46 +1,22 @@
-"""What an iteration costs here, measured, and what each γ is expected to buy (Leviathan et al. §3 with a
-measured cost curve in place of their flat one).
+"""The measured cost of each call of an iteration (CostModel): the target's by batch size and tokens scored,
+a plain target-only step, a draft forward, verification and the rest, and its JSON table.
 
-Leviathan's speedup E[tokens] / (γc + 1) assumes a target call costs the same whatever the number of
-tokens it scores. On a CPU it does not (8 tokens cost ~2.5× one on the embedded pair), so the expected
-speedup of γ for a batch of B rows is
-
-    Σ_rows E_r[tokens | γ] · T_plain(B) / B  /  (γ · T_draft(B) + T_target(B, γ + 1) + T_verify + T_other)
-
-with T_plain(B) = T_target(B, 1) plus drawing the token: one step of target-only decoding, and γ = 0 a
-plain target step (speedup 1 by definition). E_r comes from the acceptance by draft position
-(`expected_tokens`), not from one α.
-
-The curve is measured: a few calls at the start of a run (`calibrate`, cached on disk per machine, models
-and batch size) and every call of the run after that (`CostModel.observe`), the last RECENT samples per
-point, so it follows the machine's load.
+Leviathan's speedup assumes a target call costs the same whatever the number of tokens it scores; on a CPU
+it does not (8 tokens cost ~2.5× one on the embedded pair), so the curve is measured: a few calls at the
+start of a run (specviz.decoding.calibration) and every call of the run after that (`CostModel.observe`),
+the last RECENT samples per point, so it follows the machine's load. What each γ is expected to buy on
+these costs is specviz.decoding.expectation's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 import statistics
-import time
 from collections import deque
-from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
-from specviz.cache import cache_dir
-from specviz.machine import describe as describe_machine
-
-CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row scored in the calibration calls
-CALIBRATION_REPEATS = 2  # timed calls per point (twice as many at one token), after one warm-up
-CALIBRATION_VERSION = 2  # bump when what a calibration measures changes: older cached curves are ignored
-MAX_GAMMA = CALIBRATION_TOKENS[-1] - 1  # beyond the calibrated curve a γ would be priced by extrapolation
 RECENT = 16  # samples kept per point: old enough to smooth noise, recent enough to follow the load
 MAX_POINTS = 4096  # a trace's cost table is refused beyond this many entries (untrusted input)
-
-
-def _median(samples: Sequence[float]) -> float:
-    return statistics.median(samples)
 
 
 def _mean(samples: Sequence[float]) -> float:
@@ -254,174 +230,3 @@ class CostModel:
 
 def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-# ---- expectations ------------------------------------------------------------------------------
-
-def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
-    """Expected tokens an iteration appends when the draft at position k passes with probability alphas[k]
-    given that every earlier one passed: Σ_{k=0..γ} Π_{j<k} α_j (the last α repeats beyond the list).
-    With one α this is Leviathan's (1 - α^{γ+1}) / (1 - α)."""
-    total, reach = 1.0, 1.0
-    for k in range(gamma):
-        a = alphas[min(k, len(alphas) - 1)] if alphas else 0.0
-        reach *= min(max(a, 0.0), 1.0)
-        total += reach
-    return total
-
-
-def expected_speedup(costs: CostModel, batch: int, gamma: int, alphas_by_row: Sequence[Sequence[float]]) -> float:
-    """Tokens per second with γ over target-only's, for a batch of len(alphas_by_row) rows."""
-    return speedups(costs, batch, alphas_by_row, gamma)[gamma]
-
-
-def speedups(costs: CostModel, batch: int, alphas_by_row: Sequence[Sequence[float]],
-             max_gamma: int = MAX_GAMMA) -> list[float]:
-    """expected_speedup for every γ in 0..max_gamma (index γ), reading the costs once: the cost-aware policy
-    decides every iteration, and on a 20 ms Whisper step the naive loop cost a few percent."""
-    plain, draft = costs.plain_s(batch), costs.draft_s(batch)
-    fixed = costs.verify_s() + costs.other_s()
-    target = costs.target_curve(batch, max_gamma + 1)
-    tokens = [0.0] * (max_gamma + 1)
-    for alphas in alphas_by_row:
-        total = reach = 1.0
-        tokens[0] += 1.0
-        for k in range(max_gamma):
-            a = alphas[min(k, len(alphas) - 1)] if alphas else 0.0
-            reach *= min(max(a, 0.0), 1.0)
-            total += reach
-            tokens[k + 1] += total
-    return [1.0] + [tokens[g] * plain / (batch * (g * draft + target[g] + fixed)) for g in range(1, max_gamma + 1)]
-
-
-def best_gamma(costs: CostModel, batch: int, alphas_by_row: Sequence[Sequence[float]],
-               max_gamma: int = MAX_GAMMA) -> tuple[int, float]:
-    """The γ in 0..max_gamma with the highest expected speedup (ties: the smaller γ), and that speedup."""
-    table = speedups(costs, batch, alphas_by_row, max_gamma)
-    gamma = max(range(max_gamma + 1), key=lambda g: (table[g], -g))
-    return gamma, table[gamma]
-
-
-def break_even_alpha(costs: CostModel, batch: int, gamma: int) -> float | None:
-    """The α (the same at every position) at which γ neither gains nor loses; None when even α = 1 loses."""
-    if gamma == 0 or expected_speedup(costs, batch, gamma, [[1.0]] * batch) < 1.0:
-        return None
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if expected_speedup(costs, batch, gamma, [[mid]] * batch) < 1.0:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
-class RunningAcceptance:
-    """α by draft position, per sequence and for the batch, recent iterations weighted most.
-
-    Each examined draft's min(1, p/q) is the chance its context accepts a draft sample, so their mean at
-    position k estimates the chance of passing k given that 0..k-1 passed. Position k's estimate leans on
-    position k-1's (and position 0's on PRIOR) by a few pseudo-observations, and a sequence's on the
-    batch's: a position seen twice is not trusted like one seen fifty times, and a position never reached
-    is priced like the one before it, not like the batch's average over deeper, harder positions."""
-
-    PRIOR = 0.8  # before anything is seen: a draft worth trying (a pessimistic prior would never draft)
-    PRIOR_WEIGHT = 1.0  # position 0 hears from every iteration that drafts: let it learn fast
-    SHRINK = 3.0
-
-    def __init__(self, decay: float = 0.95):
-        self.decay = decay  # per iteration that examined something: ~20 iterations of memory
-        self.stats: dict[tuple[int | None, int], list[float]] = {}  # (sequence or None, k) → [Σ weight·a, Σ weight]
-
-    def add(self, examined: dict[int, Sequence[float]]) -> None:
-        """examined: sequence → min(1, p/q) of its examined drafts, in position order."""
-        if not any(examined.values()):
-            return
-        for entry in self.stats.values():
-            entry[0] *= self.decay
-            entry[1] *= self.decay
-        for seq, probs in examined.items():
-            for k, a in enumerate(probs):
-                for key in ((seq, k), (None, k)):
-                    entry = self.stats.setdefault(key, [0.0, 0.0])
-                    entry[0] += a
-                    entry[1] += 1.0
-
-    def alphas(self, sequence: int | None, length: int) -> list[float]:
-        out: list[float] = []
-        for k in range(length):
-            prior, weight = (self.PRIOR, self.PRIOR_WEIGHT) if k == 0 else (out[k - 1], self.SHRINK)
-            s, n = self.stats.get((None, k), (0.0, 0.0))
-            at_k = (s + weight * prior) / (n + weight)
-            if sequence is not None:
-                s, n = self.stats.get((sequence, k), (0.0, 0.0))
-                at_k = (s + self.SHRINK * at_k) / (n + self.SHRINK)
-            out.append(at_k)
-        return out
-
-
-# ---- calibration -------------------------------------------------------------------------------
-
-Step = Callable[[int], None]  # runs one call scoring M tokens per row (and undoes it)
-
-
-def _timed(call: Callable[[], None], repeats: int) -> list[float]:
-    call()  # warm-up: first calls allocate
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _cache_path(identity: dict) -> Path:
-    key = json.dumps({**identity, "machine": describe_machine(), "version": CALIBRATION_VERSION}, sort_keys=True)
-    return cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-
-
-def _read_cached(path: Path) -> dict | None:
-    try:
-        d = json.loads(path.read_text())
-        CostModel.from_dict(d)  # refuse a damaged file: measure again
-        return d
-    except (OSError, ValueError):
-        return None
-
-
-def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, draft_step: Callable[[], None] | None,
-              plain_step: Callable[[], None]) -> None:
-    """Measure the target at CALIBRATION_TOKENS per row, a draft forward and a plain step for this batch size,
-    or take them from the cache file of this machine, models and batch size. Each step undoes itself."""
-    path = _cache_path({**identity, "batch": batch})
-    t0 = time.perf_counter()
-    cached = _read_cached(path)
-    if cached is None:
-        for m in CALIBRATION_TOKENS:
-            # one token sets the level every other price is compared with: more repeats there
-            costs.set_target(batch, m, _median(_timed(lambda: target_step(m), 2 * CALIBRATION_REPEATS if m == 1
-                                                      else CALIBRATION_REPEATS)))
-        costs.set_plain(batch, _median(_timed(plain_step, 2 * CALIBRATION_REPEATS)))
-        if draft_step is not None:
-            costs.set_draft(batch, _median(_timed(draft_step, CALIBRATION_REPEATS)))
-        _write(path, {"target": [[batch, m, costs.curve[(batch, m)], 0] for m in CALIBRATION_TOKENS],
-                      "plain": [[batch, costs.curve_plain[batch], 0]],
-                      "draft": [[batch, costs.curve_draft[batch], 0]] if batch in costs.curve_draft else []})
-    else:
-        model = CostModel.from_dict(cached)
-        costs.curve.update(model.curve)
-        costs.curve_plain.update(model.curve_plain)
-        costs.curve_draft.update(model.curve_draft)
-    costs.calibration_s += time.perf_counter() - t0
-    costs.calibrated_from_cache = cached is not None
-
-
-def _write(path: Path, d: dict) -> None:
-    """Atomically: a reader never sees half a file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(d))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs the next run its calibration

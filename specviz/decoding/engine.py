@@ -20,7 +20,8 @@ import torch
 
 from specviz.decoding.clock import Stopwatch
 from specviz.config import SpecConfig
-from specviz.decoding.cost import CALIBRATION_TOKENS, CostModel, calibrate
+from specviz.decoding.calibration import CALIBRATION_TOKENS, calibrate
+from specviz.decoding.cost import CostModel
 from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.explain import examine
 from specviz.decoding.gamma import Feedback, Policy, make_policy

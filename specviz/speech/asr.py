@@ -19,7 +19,7 @@ from specviz.speech.audio import SAMPLE_RATE, windows
 from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.drafts import SubsetHead, draft_head_size, special_ids, subset_head
 from specviz.machine import device_name
-from specviz.models.loading import DEFAULT, ModelLoadError, Progress, _silent
+from specviz.models.loading import DEFAULT, ModelLoadError, OnTarget, Progress, _silent
 from specviz.models.quant import quantize_draft_int8
 from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names
 from specviz.speech.whisper_loader import load_whisper
@@ -30,20 +30,12 @@ DEFAULT_DRAFT_LAYERS = (0, 1, 2, 4, 5)
 
 
 @dataclass
-class SpeechPair:
+class SpeechPair(OnTarget):
     target: WhisperForConditionalGeneration
     draft: WhisperForConditionalGeneration
     processor: WhisperProcessor
     target_name: str
     draft_name: str
-
-    @property
-    def device(self) -> torch.device:
-        return self.target.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.target.dtype
 
     @property
     def vocab_size(self) -> int:

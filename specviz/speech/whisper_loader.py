@@ -17,8 +17,9 @@ from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
 from specviz.speech.ct2_format import CT2FormatError
 from specviz.models import hub
-from specviz.cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir
-from specviz.models.loading import (DEFAULT, ModelLoadError, Progress, _silent, concat_verified, default_device, parse_dtype)
+from specviz.cache import cache_dir, remove_dead_work, seal, trusted
+from specviz.models.loading import (DEFAULT, ModelLoadError, Progress, _silent, concat_verified, conversion_work,
+                                    default_device, parse_dtype)
 from specviz.speech.whisper_ct2 import convert_ct2_dir, convert_ct2_files, is_ct2_dir
 
 EMBEDDED_NAME = "whisper-base"
@@ -71,10 +72,8 @@ def ensure_embedded_whisper(progress: Progress = _silent, spec: EmbeddedCT2 | No
     made_from = {"sha256": spec.sha256, "converter": _CONVERTER_VERSION}
     if trusted(final, made_from, spec.name, progress):
         return final
-    work = work_dir(spec.name)
-    shutil.rmtree(work, ignore_errors=True)
-    (work / "ct2").mkdir(parents=True)
-    try:
+    with conversion_work(spec.name, "about 0.5 GB free there") as work:
+        (work / "ct2").mkdir()
         model_bin = assemble_model_bin(spec, work / "ct2", progress)
         progress(f"converting {spec.name} from CTranslate2", None)
         try:
@@ -91,13 +90,6 @@ def ensure_embedded_whisper(progress: Progress = _silent, spec: EmbeddedCT2 | No
         seal(out, {**made_from, "source": "CTranslate2 model.bin", "saved_dtype": "float16" if half else "float32"})
         shutil.rmtree(final, ignore_errors=True)
         out.rename(final)
-    except OSError as e:
-        if disk_full(e):
-            raise ModelLoadError(f"the disk holding {cache_dir()} is full: converting {spec.name} needs about 0.5 GB "
-                                 f"free there; free some space or point {CACHE_ENV} at another disk") from e
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     progress(f"{spec.name} ready", 1.0)
     return final
 

@@ -9,7 +9,8 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from specviz.decoding.cost import break_even_alpha, expected_tokens
+from specviz.decoding.expectation import break_even_alpha
+from specviz.theory import expected_tokens_by_position
 from specviz.traces.trace import Trace
 
 
@@ -57,7 +58,7 @@ def predict(trace: Trace) -> Prediction | None:
     for step in trace.steps:
         batch = len(step.sequences)
         rows = by_step.get(step.index, [])
-        tokens = sum(expected_tokens(alphas, g) if g else 1.0 for g in rows)
+        tokens = sum(expected_tokens_by_position(alphas, g) if g else 1.0 for g in rows)
         spec_s += costs.iteration_s(batch, step.gamma)
         target_only_s += tokens * costs.plain_s(batch) / batch
         if step.gamma > 0:
@@ -103,7 +104,8 @@ def sentence(p: Prediction) -> str:
     if p.break_even is None:
         text += f" At γ = {p.gamma} no draft, however good, pays on these costs."
     else:
-        text += f" γ = {p.gamma} pays from α ≈ {p.break_even:.2f} (this run: α ≈ {p.alphas[0]:.2f} at the first position)."
+        text += (f" γ = {p.gamma} pays from α ≈ {p.break_even:.2f} (this run: α ≈ {p.alphas[0]:.2f} at the first "
+                 f"position).")
     if p.plain_share:
         text += (f" The cost-aware policy stepped plainly (γ = 0) in {100 * p.plain_share:.0f}% of iterations, "
                  f"where no γ was expected to pay.")

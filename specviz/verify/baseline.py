@@ -15,16 +15,11 @@ from specviz.sampling import standardize
 from specviz.verify.verdict import Verdict, accept_probs
 
 
-def verify_baseline(
-    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
-    draft_logits: torch.Tensor,  # [B, γ, V]
-    target_logits: torch.Tensor,  # [B, γ+1, V]
-    lengths: torch.Tensor,  # LongTensor[B]: drafted tokens per row, 1..γ (positions beyond are padding)
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-    lenience: float,
-) -> Verdict:
-    """transformers' acceptance and residual draw, batched over ragged rows; see the module docstring."""
+def verify_baseline(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                    lengths: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+                    lenience: float) -> Verdict:
+    """transformers' acceptance and residual draw, batched over ragged rows; see the module docstring. Shapes
+    as specviz.verify's; lengths LongTensor[B]: drafted tokens per row, 1..γ (positions beyond are padding)."""
     B, gamma = draft_tokens.shape
     q = standardize(draft_logits, sampling).softmax(dim=-1)
     p = standardize(target_logits, sampling).softmax(dim=-1)

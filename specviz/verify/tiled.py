@@ -120,19 +120,11 @@ def _sample_residual(
     return cols.gather(-1, j.unsqueeze(-1)).squeeze(-1)
 
 
-def verify_tiled(
-    draft_tokens: torch.Tensor,  # LongTensor[B, γ]
-    draft_logits: torch.Tensor,  # [B, γ, V]
-    target_logits: torch.Tensor,  # [B, γ+1, V]
-    lengths: torch.Tensor,  # LongTensor[B]: drafted tokens per row, 1..γ (positions beyond are padding)
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-    *,
-    lenience: float,
-    sigmoid: tuple[float, float] | None,
-    tile: int = DEFAULT_TILE,
-) -> Verdict:
-    """`exact` (sigmoid None) or `sigmoid` (its (α, β)) on the torch path; see the module docstring."""
+def verify_tiled(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                 lengths: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None, *,
+                 lenience: float, sigmoid: tuple[float, float] | None, tile: int = DEFAULT_TILE) -> Verdict:
+    """`exact` (sigmoid None) or `sigmoid` (its (α, β)) on the torch path; see the module docstring. Shapes and
+    lengths as verify_baseline's (specviz.verify.baseline)."""
     if tile < 1:
         raise ValueError("tile size must be >= 1")
     tile = min(tile, target_logits.shape[-1])  # per-row scratch is [B, tile]: never wider than the vocabulary

@@ -1,0 +1,61 @@
+"""What each γ is expected to buy on the measured costs (Leviathan et al. §3 with a measured cost curve in place
+of their flat one): expected speedups, the best γ and the break-even α.
+
+Leviathan's speedup E[tokens] / (γc + 1) assumes a target call costs the same whatever the number of
+tokens it scores. On a CPU it does not, so the expected speedup of γ for a batch of B rows is
+
+    Σ_rows E_r[tokens | γ] · T_plain(B) / B  /  (γ · T_draft(B) + T_target(B, γ + 1) + T_verify + T_other)
+
+with T_plain(B) = T_target(B, 1) plus drawing the token: one step of target-only decoding, and γ = 0 a
+plain target step (speedup 1 by definition). The costs are a CostModel (specviz.decoding.cost); E_r comes
+from the acceptance by draft position (specviz.theory.expected_tokens_by_position), not from one α.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from specviz.decoding.calibration import MAX_GAMMA
+from specviz.decoding.cost import CostModel
+from specviz.theory import expected_tokens_by_gamma
+
+
+def expected_speedup(costs: CostModel, batch: int, gamma: int, alphas_by_row: Sequence[Sequence[float]]) -> float:
+    """Tokens per second with γ over target-only's, for a batch of len(alphas_by_row) rows."""
+    return speedups(costs, batch, alphas_by_row, gamma)[gamma]
+
+
+def speedups(costs: CostModel, batch: int, alphas_by_row: Sequence[Sequence[float]],
+             max_gamma: int = MAX_GAMMA) -> list[float]:
+    """expected_speedup for every γ in 0..max_gamma (index γ), reading the costs once: the cost-aware policy
+    decides every iteration, and on a 20 ms Whisper step the naive loop cost a few percent."""
+    plain, draft = costs.plain_s(batch), costs.draft_s(batch)
+    fixed = costs.verify_s() + costs.other_s()
+    target = costs.target_curve(batch, max_gamma + 1)
+    tokens = [0.0] * (max_gamma + 1)
+    for alphas in alphas_by_row:
+        for g, expected in enumerate(expected_tokens_by_gamma(alphas, max_gamma)):
+            tokens[g] += expected
+    return [1.0] + [tokens[g] * plain / (batch * (g * draft + target[g] + fixed)) for g in range(1, max_gamma + 1)]
+
+
+def best_gamma(costs: CostModel, batch: int, alphas_by_row: Sequence[Sequence[float]],
+               max_gamma: int = MAX_GAMMA) -> tuple[int, float]:
+    """The γ in 0..max_gamma with the highest expected speedup (ties: the smaller γ), and that speedup."""
+    table = speedups(costs, batch, alphas_by_row, max_gamma)
+    gamma = max(range(max_gamma + 1), key=lambda g: (table[g], -g))
+    return gamma, table[gamma]
+
+
+def break_even_alpha(costs: CostModel, batch: int, gamma: int) -> float | None:
+    """The α (the same at every position) at which γ neither gains nor loses; None when even α = 1 loses."""
+    if gamma == 0 or expected_speedup(costs, batch, gamma, [[1.0]] * batch) < 1.0:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if expected_speedup(costs, batch, gamma, [[mid]] * batch) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return hi

@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass, field
 
 MODES = ("baseline", "exact", "sigmoid")
 DRAFT_KINDS = ("model", "lookup", "lookup+model")  # see specviz.decoding.drafts
-GAMMA_POLICIES = ("constant", "hf", "bass", "optimal", "cost")
+GAMMA_POLICIES = ("constant", "hf", "bass", "optimal", "cost")  # what a user chooses
+# γ read from a schedule (SpecConfig.gamma_schedule): a trace decoded again exactly, whatever its policy was
+REPLAY = "replay"
 MAX_EXPLAIN_TOP = 100  # bounds the trace's size (specviz.decoding.explain)
 
 
@@ -88,6 +90,9 @@ class SpecConfig:
     # Top tokens of p, q and the residual recorded per examined position for the page's why-panel
     # (specviz.decoding.explain); 0 records none. The clock stops while they are recorded.
     explain_top: int = 20
+    # γ of each iteration in order, for gamma_policy "replay": a trace's own schedule (specviz.runs.replay).
+    # The cost policy's γ follows measured time, so a seeded run repeats bit for bit only on its schedule.
+    gamma_schedule: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.draft_confidence < 1:
@@ -102,10 +107,14 @@ class SpecConfig:
             raise ValueError(f"explain_top must be between 0 and {MAX_EXPLAIN_TOP} tokens, got {self.explain_top}")
         if self.draft_vocab < 0:
             raise ValueError(f"the draft vocabulary size must be >= 0 (0: all tokens), got {self.draft_vocab}")
-        if self.gamma_policy not in GAMMA_POLICIES:
+        if self.gamma_policy not in (*GAMMA_POLICIES, REPLAY):
             raise ValueError(
                 f"unknown γ policy {self.gamma_policy!r}; choose one of {', '.join(GAMMA_POLICIES)}"
             )
+        if (self.gamma_policy == REPLAY) != bool(self.gamma_schedule):
+            raise ValueError("a γ schedule goes with the replay policy, and the replay policy needs one")
+        if any(not isinstance(g, int) or not 0 <= g <= 64 for g in self.gamma_schedule):
+            raise ValueError("a γ schedule holds whole numbers from 0 to 64, one per iteration")
         if self.gamma_init is not None and self.gamma_init < 1:
             raise ValueError(f"initial γ must be >= 1, got {self.gamma_init}")
         if self.max_new_tokens < 1:
@@ -122,4 +131,5 @@ class SpecConfig:
     def from_dict(cls, d: dict) -> "SpecConfig":
         d = dict(d)
         d["sampling"] = SamplingConfig(**d.get("sampling", {}))
+        d["gamma_schedule"] = tuple(d.get("gamma_schedule", ()))  # a list once it has been JSON
         return cls(**d)

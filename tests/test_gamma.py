@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specviz import theory
-from specviz.decoding.gamma import BASS, Constant, Feedback, HFHeuristic, Optimal, default_policy, make_policy
+from specviz.decoding.gamma import (BASS, DEFAULT_POLICY, Constant, Feedback, HFHeuristic, Optimal, Replay,
+                                    make_policy)
 
 
 def fb(gamma: int, accepted: list[int], probs=(0.5,), draft_s=0.1, target_s=1.0, drafted=None) -> Feedback:
@@ -76,8 +77,20 @@ def test_a_row_that_kept_its_shorter_draft_counts_as_all_accepted():
     assert b.current() == 6
 
 
-def test_default_policy_is_bass_for_batches():
-    assert default_policy(1) == "hf" and default_policy(4) == "bass"
+def test_the_default_policy_is_the_cost_aware_one():
+    assert DEFAULT_POLICY == "cost"
+
+
+def test_replay_reads_its_schedule_and_holds_the_last_gamma():
+    p = make_policy("replay", schedule=(3, 0, 5))
+    assert isinstance(p, Replay)
+    seen = []
+    for _ in range(5):
+        seen.append(p.current())
+        p.update(fb(seen[-1], [0]))
+    assert seen == [3, 0, 5, 5, 5]
+    with pytest.raises(ValueError, match="schedule"):
+        make_policy("replay")
 
 
 def test_make_policy_initial():

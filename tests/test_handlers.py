@@ -204,3 +204,18 @@ def test_a_shared_page_caps_what_one_visitor_holds_before_any_model_loads(tiny_p
 def test_a_local_page_caps_nothing():
     assert not sessions.VisitorLimits().shared and sessions.SHARED_LIMITS.shared
     assert not app.shared_by_strangers("127.0.0.1") and app.shared_by_strangers("0.0.0.0")
+
+
+def test_rerun_decodes_the_loaded_trace_again_exactly(tiny_pair):
+    caller, _ = _caller()
+    server = _server(tiny_pair)
+    first = list(handlers.run(server, _values(decoding="sample", temperature=0.8, max_new_tokens=8, seed=5), caller))[-1]
+    original = server.traces.get(first["trace"])
+    updates = list(handlers.rerun(server, {"trace": first["trace"]}, caller))
+    assert all(set(u) <= set(app.SHOWN) for u in updates)
+    assert "token for token" in updates[-1]["status"], updates[-1]["status"]
+    again = server.traces.get([u["trace"] for u in updates if "trace" in u][-1])
+    assert again.config["gamma_policy"] == "replay" and again.outputs == original.outputs
+    assert [s.gamma for s in again.steps] == [s.gamma for s in original.steps]
+    nothing = list(handlers.rerun(server, {"trace": None}, caller))
+    assert "Load a trace first" in nothing[-1]["status"]

@@ -62,19 +62,19 @@ def test_every_cli_flag_is_its_declaration(command):
 
 
 def test_settings_cover_every_user_facing_config_field():
-    resolved = {f.name for f in dataclasses.fields(SpecConfig)} - {"sampling", "explain_top"}
+    resolved = {f.name for f in dataclasses.fields(SpecConfig)} - {"sampling", "explain_top", "gamma_schedule"}
     assert resolved <= set(settings.FIELDS)
     assert {"temperature", "top_k", "top_p", "decoding"} <= set(settings.FIELDS)  # what `sampling` is made of
 
 
 def test_cli_defaults_resolve_as_documented():
     args = cli.build_parser().parse_args(["generate"])
-    text = Settings.from_args(args).spec(TEXT, batch=1)
-    assert text == SpecConfig(mode="exact", sampling=SamplingConfig(), gamma_policy="hf", gamma_init=None,
+    text = Settings.from_args(args).spec(TEXT)
+    assert text == SpecConfig(mode="exact", sampling=SamplingConfig(), gamma_policy="cost", gamma_init=None,
                               max_new_tokens=128, seed=0, lenience=1.0, draft_confidence=0.0,
                               sigmoid_alpha=-1e4, sigmoid_beta=1e4, draft_kind="model", lookup_ngram=2, draft_vocab=0)
-    speech = Settings.from_args(cli.build_parser().parse_args(["transcribe", "x.wav"])).spec(SPEECH, batch=3)
-    assert (speech.sigmoid_alpha, speech.sigmoid_beta, speech.gamma_policy) == (-1e3, 1e3, "bass")
+    speech = Settings.from_args(cli.build_parser().parse_args(["transcribe", "x.wav"])).spec(SPEECH)
+    assert (speech.sigmoid_alpha, speech.sigmoid_beta, speech.gamma_policy) == (-1e3, 1e3, "cost")
 
 
 def test_page_and_cli_resolve_the_same_settings_to_the_same_config():

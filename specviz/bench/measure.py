@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from specviz.config import SpecConfig
 from specviz.traces.trace import Trace
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _median_of(run: Callable[[], Trace], repeat: int) -> tuple[Trace, float]:

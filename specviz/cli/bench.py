@@ -43,7 +43,7 @@ def cmd_bench_speech_draft(args: argparse.Namespace) -> int:
     from specviz.speech.asr import parse_layers
 
     clips = common.clips(args.inputs)
-    cfg = common.config(args, SPEECH, 1, mode="exact")
+    cfg = common.config(args, SPEECH, mode="exact")
     pair = common.load_speech(args)
     reference = Path(args.reference_file).read_text(encoding="utf-8") if args.reference_file else None
     layer_sets = [parse_layers(spec) for spec in args.layers]
@@ -66,7 +66,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     articles = common.articles(args)
     if len(articles) != 1:
         raise InputError("bench-batch draws B samples of one article: give one article (or none for the sample)")
-    cfg = common.config(args, TEXT, 1)
+    cfg = common.config(args, TEXT)
     pair = common.load_text(args)
     with tqdm(total=len(args.batches) * 2 * args.repeat, desc="bench-batch", unit="run", file=sys.stderr) as bar:
         def on_run(name: str) -> None:
@@ -137,7 +137,7 @@ def cmd_bench_drafts(args: argparse.Namespace) -> int:
     if len(args.inputs) > 1:
         raise InputError("bench-drafts measures one input")
     audio = bool(args.inputs) and common.is_audio(args.inputs[0])
-    cfg = common.config(args, SPEECH if audio else TEXT, 1, mode="exact")
+    cfg = common.config(args, SPEECH if audio else TEXT, mode="exact")
     if audio:
         from specviz.speech.asr import SpeechSource
 

@@ -60,7 +60,7 @@ def _print_result(trace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     articles = common.articles(args)
-    cfg = common.config(args, TEXT, len(articles) * args.sequences)
+    cfg = common.config(args, TEXT)
     pair = common.load_text(args)
     source = article_source(pair, articles, cfg, args.sequences)
     trace = _decode_with_bar(source, cfg, args, "decoding", {"input": [text for _, text in articles]})
@@ -83,12 +83,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise InputError("--hf-assisted compares text generation only")
         clips = common.clips(args.inputs)
         pair = common.load_speech(args)
-        cfg = common.config(args, SPEECH, common.window_count(clips), mode="exact")
+        cfg = common.config(args, SPEECH, mode="exact")
         source = SpeechSource(pair, clips, args.language, cfg.draft_vocab)
         extra = {}
     else:
         articles = common.articles(args)
-        cfg = common.config(args, TEXT, len(articles) * args.sequences, mode="exact")
+        cfg = common.config(args, TEXT, mode="exact")
         pair = common.load_text(args)
         source = article_source(pair, articles, cfg, args.sequences)
         if args.hf_assisted and len(source.sequences) > 1:
@@ -197,7 +197,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         raise InputError("a reference transcript needs exactly one audio file")
     clips = common.clips(args.inputs)
     pair = common.load_speech(args)
-    cfg = common.config(args, SPEECH, common.window_count(clips))
+    cfg = common.config(args, SPEECH)
     source = SpeechSource(pair, clips, args.language, cfg.draft_vocab)
     meta = {"input": [name for name, _ in clips]}
     if reference:

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from specviz.speech.audio import load_audio, windows
+from specviz.speech.audio import load_audio
 from specviz.config import SpecConfig
 from specviz.models.loading import WEIGHTS, ModelPair, load_pair
 from specviz.text.prompts import InputError, check_article_size, sample_article
 from specviz.runs.decode import DEFAULT_BATCH
+from specviz.runs.replay import replaying, schedule_file
 from specviz.runs.settings import Settings, add_flags
 
 class LoadProgress:
@@ -80,17 +81,23 @@ def add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
                    help=f"sequences decoded together at most (default {DEFAULT_BATCH}); more run in consecutive groups")
     add_flags(v, ["gamma_policy", "gamma_init", "lenience", "verify_backend", "draft_confidence", "sigmoid_alpha",
                   "sigmoid_beta"])
+    v.add_argument("--gamma-schedule", metavar="TRACE", default=None,
+                   help="decode on TRACE's γ schedule (every iteration's γ as it ran) instead of a policy's: with the "
+                        "same input, seed and settings the run repeats decision for decision on any machine")
 
 
-def config(args: argparse.Namespace, task: str, batch: int, mode: str | None = None) -> SpecConfig:
-    """The settings on the command line resolved for `task` (specviz.runs.settings: the one resolution of "auto"),
-    the γ policy's default for `batch` sequences in batches of --batch-size; `mode` overrides --mode."""
+def config(args: argparse.Namespace, task: str, mode: str | None = None) -> SpecConfig:
+    """The settings on the command line resolved for `task` (specviz.runs.settings: the one resolution of "auto");
+    `mode` overrides --mode; --gamma-schedule replaces the policy by a trace's schedule."""
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     settings = Settings.from_args(args)
     if mode is not None:
         settings = dataclasses.replace(settings, mode=mode)
-    return settings.spec(task, batch=min(batch, args.batch_size))
+    cfg = settings.spec(task)
+    if getattr(args, "gamma_schedule", None):
+        cfg = replaying(cfg, schedule_file(args.gamma_schedule))
+    return cfg
 
 
 def read_article(arg: str) -> str:
@@ -128,10 +135,6 @@ def load_text(args: argparse.Namespace) -> ModelPair:
                          draft_int8=args.draft_int8, weights=args.weights, progress=progress)
     finally:
         progress.close()
-
-def window_count(clips: list) -> int:
-    """Sequences a speech batch will have: one per 30 s window of every clip."""
-    return sum(len(windows(audio)) for _, audio in clips)
 
 
 def load_speech(args: argparse.Namespace):

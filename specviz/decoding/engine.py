@@ -101,7 +101,8 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
     costs = CostModel()
     run = RunState(cfg=cfg, vocab=source.vocab, clock=clock,
                    generator=torch.Generator(device=source.device).manual_seed(cfg.seed),
-                   policy=make_policy(cfg.gamma_policy, cfg.gamma_init, costs), costs=costs, start=clock.now())
+                   policy=make_policy(cfg.gamma_policy, cfg.gamma_init, costs, cfg.gamma_schedule), costs=costs,
+                   start=clock.now())
     for group in _chunks(len(source.sequences), batch_size):
         t0 = clock.now()
         batch = _prefill(source, group, cfg, with_draft=not target_only and uses_draft_model(cfg.draft_kind))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
 from specviz import theory
+from specviz.config import REPLAY
 from specviz.decoding.acceptance import RunningAcceptance
 from specviz.decoding.calibration import MAX_GAMMA
 from specviz.decoding.cost import CostModel
@@ -206,19 +207,41 @@ class CostAware:
         return min(self.PROBE_MAX, max(self.PROBE_MIN, math.ceil(loss / self.EXPLORE_SHARE)))
 
 
+class Replay:
+    """γ read from a recorded schedule, one entry per iteration (specviz.runs.replay): a trace decoded again
+    takes the γs its run took, whatever chose them, so its draws and decisions repeat. Past the schedule's
+    end (a longer run than the trace's) it holds the last γ."""
+
+    name = REPLAY
+
+    def __init__(self, schedule: Sequence[int]):
+        if not schedule:
+            raise ValueError("the replay policy needs a γ schedule")
+        self.schedule, self.index = tuple(schedule), 0
+
+    def current(self) -> int:
+        return self.schedule[min(self.index, len(self.schedule) - 1)]
+
+    def update(self, fb: Feedback) -> None:
+        self.index += 1
+
+
 _POLICIES = {"constant": Constant, "hf": HFHeuristic, "bass": BASS, "optimal": Optimal, "cost": CostAware}
 
 
-def default_policy(batch: int) -> str:
-    """BASS Algorithm 1 for batches, transformers' heuristic for one sequence. (`cost` measured better on
-    text, docs/benchmarks.md, but its γ follows measured time, so a seeded sampled run no longer repeats
-    across machines: not the default yet.)"""
-    return "bass" if batch > 1 else "hf"
+# The default γ policy, for one sequence and for batches: the cost-aware policy measured better than hf and bass
+# on every text row of docs/benchmarks.md and never slower, because it also stops drafting where drafting cannot
+# pay. Its γ follows this machine's measured time, so a seeded sampled run repeats elsewhere only on its own
+# schedule: every trace records it, and the replay policy decodes on it (specviz.runs.replay).
+DEFAULT_POLICY = "cost"
 
 
-def make_policy(name: str, initial: int | None = None, costs: CostModel | None = None) -> Policy:
+def make_policy(name: str, initial: int | None = None, costs: CostModel | None = None,
+                schedule: Sequence[int] = ()) -> Policy:
     """A fresh policy; `initial` overrides its starting γ (hf/constant/optimal: 5, bass: 7, cost: from the
-    calibrated costs); the cost-aware policy reads the run's measured costs."""
+    calibrated costs); the cost-aware policy reads the run's measured costs; replay reads `schedule`."""
+    if name == REPLAY:
+        return Replay(schedule)
     cls = _POLICIES[name]
     kwargs = {"costs": costs} if cls is CostAware else {}
     return cls(**kwargs) if initial is None else cls(initial, **kwargs)

@@ -34,6 +34,7 @@ from specviz.figures.plots import (acceptance_figure, batch_figure, gamma_figure
 from specviz.models.loading import Progress
 from specviz.text.prompts import InputError, check_article_size
 from specviz.decoding.records import Iteration
+from specviz.runs.replay import replaying
 from specviz.runs.decode import builder_for, records
 from specviz.page.sessions import ModelCache, StopFlag
 from specviz.runs.settings import TEXT, Settings, declaration
@@ -141,9 +142,12 @@ def _source(models: ModelCache, task: str, source_input: str | None, settings: S
 
 
 def stream_run(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
-               stop: StopFlag) -> Iterator[tuple[Trace, bool]]:
-    """One run of the page: text (source_input is the article) or speech (a path to the audio)."""
+               stop: StopFlag, gamma_schedule: tuple[int, ...] = ()) -> Iterator[tuple[Trace, bool]]:
+    """One run of the page: text (source_input is the article) or speech (a path to the audio); on a trace's
+    γ schedule when one is given (specviz.runs.replay)."""
     cfg = settings.spec(task)
+    if gamma_schedule:
+        cfg = replaying(cfg, gamma_schedule)
     source = _source(models, task, source_input, settings, cfg, progress)
     shown = source_input if task == TEXT else Path(source_input).name
     meta = {"input": shown, "page_settings": settings.to_dict()}

@@ -105,8 +105,10 @@ def layout(limits: sessions.VisitorLimits = sessions.VisitorLimits()) -> dict[st
                                                 elem_id="export-button")
                 c["trace_upload"] = gr.File(label="Load a trace (JSON): redraws it and restores its settings",
                                             file_types=[".json"], elem_id="trace-upload", height=90)
-                # the API's `export` (the browser downloads through the button above, which already holds the file)
-                c["export_api"] = gr.Button("export", visible=False, elem_id="export-api")
+            c["rerun_button"] = gr.Button("Run the loaded trace again exactly (its settings, input and γ schedule)",
+                                          elem_id="rerun-button", size="sm")
+            # the API's `export` (the browser downloads through the button above, which already holds the file)
+            c["export_api"] = gr.Button("export", visible=False, elem_id="export-api")
         with gr.Column(scale=3, min_width=340):
             c["status"] = gr.HTML('<span class="sv-status">Ready: press Run.</span>', elem_id="status")
             with gr.Tabs(selected="run-results") as c["results"]:
@@ -288,6 +290,7 @@ API_DESCRIPTIONS = {
     "stop": "End this session's run after the iteration in flight; the partial trace is kept.",
     "load_trace": "Open a trace JSON file: redraw it and restore its settings (no model runs).",
     "export": "This session's current trace as a JSON file.",
+    "rerun": "Decode this session's loaded summary trace again exactly: its settings, article and γ schedule.",
     "load_results": "Open an evaluation results file (JSONL) and tabulate it.",
     "open_compared": "Open one run of the last comparison in the main view.",
     "why": "The why-panel for one token, named as 'iteration,sequence,position'.",
@@ -307,7 +310,8 @@ def build(models: sessions.ModelCache, limits: sessions.VisitorLimits = sessions
                 (c["run_button"], "run", partial(handlers.run, server), RUN_INPUTS, SHOWN),
                 (c["compare_button"], "compare", partial(handlers.compare, server), COMPARE_INPUTS, COMPARE_OUTPUTS),
                 (c["eval_button"], "evaluate", partial(handlers.evaluate, server), EVAL_INPUTS,
-                 [*EVAL_SHOWN, "eval_download"])):
+                 [*EVAL_SHOWN, "eval_download"]),
+                (c["rerun_button"], "rerun", partial(handlers.rerun, server), ["trace"], SHOWN)):
             busy = wire.connect(button.click, handlers.busy, [], ["status", *BUTTONS], queue=False, **PRIVATE)
             going = wire.connect(busy.then, handler, inputs, outputs, caller=True, concurrency_limit=1,
                                  api_name=name, api_description=API_DESCRIPTIONS[name])

@@ -26,6 +26,7 @@ from specviz.evaluation.figures import tradeoff_figure, verify_gamma_figure
 from specviz.evaluation.results import Results, ResultsError, load_results, summarize, table1, table2
 from specviz.evaluation.run import Models, ResultsFile, SweepProgress, run_serial
 from specviz.text.prompts import ASSETS, InputError, sample_article
+from specviz.runs.replay import rerun_request
 from specviz.runs.settings import SPEECH, TEXT, Settings, page_names
 from specviz.evaluation.sweep import Grid
 from specviz.traces.trace import Trace, TraceFormatError
@@ -104,7 +105,7 @@ GONE = ("This trace is no longer held by the server (it keeps the most recent on
         "with “Load a trace” to see it again.")
 
 
-STARTS = ("run_button", "compare_button", "eval_button")  # what starts work in a session: one at a time
+STARTS = ("run_button", "compare_button", "eval_button", "rerun_button")  # what starts work in a session: one at a time
 
 
 def busy(values: Values) -> Updates:
@@ -121,9 +122,10 @@ def _source_input(values: Values) -> str | None:
     return values["article"] if values["task"] == TEXT else values["audio"]
 
 
-def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+def run(server: Server, values: Values, caller: Caller, gamma_schedule: tuple[int, ...] = ()) -> Iterator[Updates]:
     """Decode the input with the settings, streaming the trace; then measure target-only for the speedup
-    (reused when an identical run measured it). Any failure is shown in the status line."""
+    (reused when an identical run measured it). Any failure is shown in the status line. With a γ schedule,
+    γ is read from it (rerun) instead of chosen by the policy."""
     stop = server.stops.start(caller.session)
     task, progress = values["task"], caller.progress
     try:
@@ -132,7 +134,7 @@ def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
         source_input = _source_input(values)
         yield {"status": stamp("Loading models and reading the input…"), "export": gr.DownloadButton(interactive=False),
                "results": gr.Tabs(selected="run-results")}
-        stream = page.stream_run(server.models, task, source_input, settings, progress, stop)
+        stream = page.stream_run(server.models, task, source_input, settings, progress, stop, gamma_schedule)
         yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
                                "the first iteration)…")}
         trace, ticket = None, None
@@ -165,6 +167,34 @@ def run(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
         yield {"status": error(e)}
     finally:
         server.stops.end(caller.session, stop)
+
+
+def rerun(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    """Decode the session's loaded (or last) summary trace again exactly: its settings, its article, its γ
+    schedule, so a run whose γ followed another machine's costs repeats here decision for decision."""
+    trace = server.traces.get(values["trace"]) if values["trace"] is not None else None
+    if trace is None:
+        yield {"status": stamp("Load a trace first (or run one)." if values["trace"] is None else GONE)}
+        return
+    try:
+        settings, article, gammas = rerun_request(trace)
+    except InputError as e:
+        yield {"status": error(e)}
+        return
+    expected = trace.outputs
+    again = {"task": TEXT, "article": article, "audio": None, "reference_summary": "", "reference_transcript": "",
+             "measure": False, **settings.to_dict()}
+    ticket = None
+    for updates in run(server, again, caller, gammas):
+        ticket = updates.get("trace", ticket)
+        yield updates
+    rerun_trace = server.traces.get(ticket) if ticket is not None else None
+    if rerun_trace is not None and not rerun_trace.stopped:
+        same = rerun_trace.outputs == expected
+        yield {"status": stamp(f"Ran again on the trace's {len(gammas)}-iteration γ schedule: "
+                               + ("the output is the trace's, token for token." if same else
+                                  "the output differs from the trace's (other models, or logits that are not the "
+                                  "same bits on this machine)."))}
 
 
 def stop(server: Server, values: Values, caller: Caller) -> Updates:

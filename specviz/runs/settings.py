@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from specviz.config import (DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range, draft_defaults)
-from specviz.decoding.gamma import default_policy
+from specviz.decoding.gamma import DEFAULT_POLICY
 from specviz.models.loading import DEFAULT
 
 TEXT, SPEECH = "summarize", "transcribe"
@@ -57,7 +57,7 @@ def _setting(default: Any, **declaration: Any) -> Any:
 
 
 POLICY_CHOICES = (
-    ("auto: bass for a batch, else hf", AUTO),
+    ("auto: cost (γ from this machine's measured call costs)", AUTO),
     ("constant: always the initial γ", "constant"),
     ("hf: +2 after all accepted, −1 otherwise (transformers)", "hf"),
     ("bass: grows when any sequence kept all, shrinks on misses (BASS)", "bass"),
@@ -96,8 +96,9 @@ class Settings:
     seed: int = _setting(0, label="Seed", control="number", low=0, high=1 << 53, help="seeds every draw of the run")
     gamma_policy: str = _setting(
         AUTO, label="γ policy: how many tokens to draft next", control="dropdown", choices=POLICY_CHOICES,
-        help="auto: bass when several sequences decode together, else hf. cost: the γ with the best expected "
-             "tokens/s from the measured call costs, 0 (a plain target step) when none pays")
+        help="auto: cost, the γ with the best expected tokens/s from this machine's measured call costs, 0 (a "
+             "plain target step) when none pays; γ then follows measured time, and a trace decodes again exactly "
+             "on its own γ schedule (--gamma-schedule TRACE; the page's “Run the loaded trace again exactly”)")
     gamma_init: int = _setting(0, label="Initial γ (0 = the policy's)", control="number", low=0, high=64,
                                flag="--gamma", help="the first γ (0: the policy's own start)")
     # A page run should finish while someone watches; the CLI may decode long outputs.
@@ -154,17 +155,15 @@ class Settings:
     def batch(self, task: str) -> int:
         return self.sequences if task == TEXT else 1
 
-    def spec(self, task: str, batch: int | None = None) -> SpecConfig:
+    def spec(self, task: str) -> SpecConfig:
         """The SpecConfig these settings mean for `task`: "auto" and 0 resolved to the task's measured
-        defaults, the γ policy to the default for `batch` sequences decoding together (default: this
-        run's sequences)."""
+        defaults (the γ policy: gamma.DEFAULT_POLICY)."""
         if task not in TASKS:
             raise SettingError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
         scale = default_sigmoid_range(task == SPEECH)
         drafts = draft_defaults(task == SPEECH)
         sampling = SamplingConfig() if self.greedy else SamplingConfig(self.temperature, self.top_k, self.top_p)
-        policy = default_policy(self.batch(task) if batch is None else batch) \
-            if self.gamma_policy == AUTO else self.gamma_policy
+        policy = DEFAULT_POLICY if self.gamma_policy == AUTO else self.gamma_policy
         return SpecConfig(
             mode=self.mode, sampling=sampling, gamma_policy=policy, gamma_init=self.gamma_init or None,
             max_new_tokens=self.max_new_tokens, seed=self.seed, lenience=self.lenience,

@@ -125,7 +125,8 @@ class SpecConfig:
             raise ValueError("sigmoid α must be smaller than β")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain JSON values (the schedule a list), so a trace's config reads back equal."""
+        return {**asdict(self), "gamma_schedule": list(self.gamma_schedule)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecConfig":

@@ -175,7 +175,7 @@ def test_trace_fuzz(bases, capsys):
             tally["crashed"] += 1
             continue
         extra = (injected(drawn["tokens"], {"div", "span"}, {"class", "title", "data-step", "data-seq", "data-pos"})
-                 | injected(drawn["summary"], set(), set()) | injected(drawn["warning"], {"div", "b"}, {"class", "role"})
+                 | injected(drawn["summary"], {"div"}, {"class"}) | injected(drawn["warning"], {"div", "b"}, {"class", "role"})
                  | injected(why, {"div", "span", "br", "b"}, {"class", "style", "title"}))
         if extra:
             injections.append((i, sorted(extra)))

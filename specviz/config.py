@@ -5,8 +5,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 MODES = ("baseline", "exact", "sigmoid")
-DRAFT_KINDS = ("model", "lookup", "lookup+model")  # see specviz.decoding.drafts
-GAMMA_POLICIES = ("constant", "hf", "bass", "optimal", "cost")  # what a user chooses
+# Who drafts (specviz.decoding.proposers) and the γ policies a user chooses (specviz.decoding.gamma), each with
+# the words the page and the CLI show: declared once, here.
+DRAFT_KINDS = {"model": "draft model", "lookup": "prompt lookup (no draft model)",
+               "lookup+model": "prompt lookup, else the draft model"}
+GAMMA_POLICIES = {
+    "constant": "always the initial γ",
+    "hf": "+2 after all accepted, −1 otherwise (transformers)",
+    "bass": "grows when any sequence kept all, shrinks on misses (BASS)",
+    "optimal": "the γ that maximizes Leviathan's predicted speedup from measured α and c",
+    "cost": "the γ with the best expected tokens/s from this machine's measured call costs; 0 (a plain target step) "
+            "when no γ pays",
+}
 # γ read from a schedule (SpecConfig.gamma_schedule): a trace decoded again exactly, whatever its policy was
 REPLAY = "replay"
 MAX_EXPLAIN_TOP = 100  # bounds the trace's size (specviz.decoding.explain)

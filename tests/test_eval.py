@@ -39,7 +39,10 @@ def manifest(tmp_path_factory) -> Path:
     return folder
 
 
-GRID = Grid(base=Settings(max_new_tokens=8))
+# hf, not the default cost policy: on the tiny pair drafting does not pay, so cost would mostly step plainly
+# (nothing verified to report), and the serial and the Ray sweep compare acceptance, which must not follow the
+# measured time of each process
+GRID = Grid(base=Settings(max_new_tokens=8), policies=("hf",))
 
 
 def _serial(tmp_path: Path, manifest: Path, models: Models, grid: Grid = GRID, name: str = "serial.jsonl"):
@@ -111,8 +114,8 @@ def test_a_serial_sweep_writes_resumes_and_reports(tmp_path, manifest, tiny_mode
     report = report_markdown(loaded)
     assert "**Table 1**" in report and "**Table 2**" in report and "ROUGE-1 (95% CI)" in report
     rows = {s.variant: s for s in summarize(loaded)}
-    assert rows["exact · γ auto"].verify_reduction_pct is not None and rows["baseline · γ auto"].verify_reduction_pct == 0
-    assert rows["target-only"].alpha is None and rows["exact · γ auto"].alpha is not None
+    assert rows["exact · γ hf"].verify_reduction_pct is not None and rows["baseline · γ hf"].verify_reduction_pct == 0
+    assert rows["target-only"].alpha is None and rows["exact · γ hf"].alpha is not None
     # resume: nothing left to run, nothing appended
     again, _ = _serial(tmp_path, manifest, tiny_models)
     assert (again.done, again.skipped) == (0, 12) and results.path.read_text().splitlines() == lines
@@ -143,7 +146,7 @@ def test_a_failing_cell_is_retried_then_recorded_with_its_message(tmp_path, tiny
     monkeypatch.setattr(eval_run.CellRunner, "run", flaky)
     progress, results = _serial(tmp_path, folder, tiny_models)
     assert (progress.done, progress.failed, progress.retried) == (4, 1, 1)
-    assert calls.count("exact · γ auto") == 2
+    assert calls.count("exact · γ hf") == 2
     failed = [r for r in load_results(results.path).cells if r["status"] == "failed"]
     assert len(failed) == 1 and "RuntimeError: the verifier fell over" in failed[0]["error"]
     assert "Failed cells" in report_markdown(load_results(results.path))
@@ -191,9 +194,9 @@ def test_the_cli_reports_a_results_file(tmp_path, manifest, tiny_models, capsys)
     _, results = _serial(tmp_path, manifest, tiny_models, name="cli.jsonl")
     assert cli.main(["eval", "--report", str(results.path), "--json", str(tmp_path / "rows.json")]) == 0
     out = capsys.readouterr().out
-    assert "| exact · γ auto | 0 | 3 |" in out
+    assert "| exact · γ hf | 0 | 3 |" in out
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
-    assert {r["variant"] for r in rows} == {"target-only", "baseline · γ auto", "exact · γ auto", "sigmoid · γ auto"}
+    assert {r["variant"] for r in rows} == {"target-only", "baseline · γ hf", "exact · γ hf", "sigmoid · γ hf"}
     assert cli.main(["eval", "--report", str(tmp_path / "missing.jsonl")]) == 2
 
 
@@ -202,7 +205,7 @@ def test_ray_with_two_workers_equals_the_serial_sweep_and_loses_no_cell_when_a_w
     ray = pytest.importorskip("ray")
     from specviz.evaluation.on_ray import run_ray
 
-    _, serial = _serial(tmp_path, manifest, tiny_models)
+    _, serial = _serial(tmp_path, manifest, tiny_models, GRID)
     examples = load_examples(manifest)
     results = ResultsFile(tmp_path / "ray.jsonl")
     actors: list = []

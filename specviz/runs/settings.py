@@ -56,20 +56,10 @@ def _setting(default: Any, **declaration: Any) -> Any:
     return dataclasses.field(default=default, metadata={"setting": Setting(**declaration)})
 
 
-POLICY_CHOICES = (
-    ("auto: cost (γ from this machine's measured call costs)", AUTO),
-    ("constant: always the initial γ", "constant"),
-    ("hf: +2 after all accepted, −1 otherwise (transformers)", "hf"),
-    ("bass: grows when any sequence kept all, shrinks on misses (BASS)", "bass"),
-    ("optimal: the γ that maximizes Leviathan's predicted speedup from measured α and c", "optimal"),
-    ("cost: the γ with the best expected tokens/s from this machine's measured call costs; 0 (a plain target "
-     "step) when no γ pays", "cost"),
-)
-assert {v for _, v in POLICY_CHOICES} == {AUTO, *GAMMA_POLICIES}
-DRAFT_KIND_CHOICES = (("auto (the fastest measured for the task)", AUTO), ("draft model", "model"),
-                      ("prompt lookup (no draft model)", "lookup"),
-                      ("prompt lookup, else the draft model", "lookup+model"))
-assert {v for _, v in DRAFT_KIND_CHOICES} == {AUTO, *DRAFT_KINDS}
+POLICY_CHOICES = (("auto: cost (γ from this machine's measured call costs)", AUTO),
+                  *((f"{name}: {words}", name) for name, words in GAMMA_POLICIES.items()))
+DRAFT_KIND_CHOICES = (("auto (the fastest measured for the task)", AUTO),
+                      *((words, kind) for kind, words in DRAFT_KINDS.items()))
 DRAFT_VOCAB_CHOICES = ((AUTO, AUTO), ("all tokens", "0"),
                        *((f"{k:,} + specials + prompt", str(k)) for k in (4096, 8192, 16384, 32768, 65536)))
 

@@ -7,8 +7,9 @@
 // task that walks its own keys in order: the same operations for a row in a prefill, in a verification call
 // of γ + 1 rows beside other sequences, or alone; only the set of keys it may see (the mask) decides.
 //
-// Layouts (contiguous fp32): q [B, H, L, D], k and v [B, Hkv, S, D] (H a multiple of Hkv: grouped queries
-// share a key head), mask [B, L, S] uint8 (1: row i sees key j), out [B, L, H, D]. D a multiple of 8.
+// Layouts (fp32): q [B, H, L, D] contiguous; k and v the first S positions of [B, Hkv, Sk, D] contiguous buffers
+// (Sk = S for plain tensors; H a multiple of Hkv: grouped queries share a key head), mask [B, L, S] uint8 (1: row
+// i sees key j), out [B, L, H, D]. D a multiple of 8.
 // Built with qmatmul_cpu.cpp into one library (specviz.cpu_kernels).
 
 #include <stdint.h>
@@ -47,16 +48,17 @@ inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// One row i of sequence b for the G query heads [h0, h0 + G) that share key head kh.
+// One row i of sequence b for the G query heads [h0, h0 + G) that share key head kh. Keys and values are read
+// from rows of Sk positions (Sk ≥ S: a KV cache's preallocated buffer, of which the first S are in use).
 void row(const float* q, const float* k, const float* v, const int32_t* keys, int64_t n, int64_t b, int64_t h0,
-         int64_t G, int64_t kh, int64_t i, int64_t H, int64_t Hkv, int64_t L, int64_t S, int64_t D, float scale,
+         int64_t G, int64_t kh, int64_t i, int64_t H, int64_t Hkv, int64_t L, int64_t Sk, int64_t D, float scale,
          float* out, float* scores) {
     const int64_t padded = (n + 7) / 8 * 8;
     for (int64_t g = 0; g < G; ++g) {
         const float* qi = q + ((b * H + h0 + g) * L + i) * D;
         float* s = scores + g * padded;
         for (int64_t t = 0; t < n; ++t) {
-            const float* kj = k + ((b * Hkv + kh) * S + keys[t]) * D;
+            const float* kj = k + ((b * Hkv + kh) * Sk + keys[t]) * D;
             __m256 acc = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kj + d), acc);
             s[t] = lanes_sum(acc) * scale;
@@ -80,7 +82,7 @@ void row(const float* q, const float* k, const float* v, const int32_t* keys, in
         for (int64_t d = 0; d < D; d += 8) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; ++t)
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), _mm256_loadu_ps(v + ((b * Hkv + kh) * S + keys[t]) * D + d), acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), _mm256_loadu_ps(v + ((b * Hkv + kh) * Sk + keys[t]) * D + d), acc);
             _mm256_storeu_ps(o + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
         }
     }
@@ -101,7 +103,8 @@ int specviz_has_attention() {
 
 #ifdef SPECVIZ_ATTENTION_AVX2
 void specviz_attention(const float* q, const float* k, const float* v, const uint8_t* mask, int64_t B, int64_t H,
-                       int64_t Hkv, int64_t L, int64_t S, int64_t D, float scale, float* out, int nthreads) {
+                       int64_t Hkv, int64_t L, int64_t S, int64_t Sk, int64_t D, float scale, float* out,
+                       int nthreads) {
     const int64_t G = H / Hkv;
     // each row's visible keys, in order (shared by its heads)
     std::vector<int32_t> keys(B * L * S);
@@ -122,7 +125,8 @@ void specviz_attention(const float* q, const float* k, const float* v, const uin
                 for (int64_t g = 0; g < G; ++g) memset(out + ((b * L + i) * H + kh * G + g) * D, 0, sizeof(float) * D);
                 continue;
             }
-            row(q, k, v, keys.data() + r * S, count[r], b, kh * G, G, kh, i, H, Hkv, L, S, D, scale, out, scores.data());
+            row(q, k, v, keys.data() + r * S, count[r], b, kh * G, G, kh, i, H, Hkv, L, Sk, D, scale, out,
+                scores.data());
         }
     }
 }

@@ -85,3 +85,20 @@ def test_a_packed_models_logits_do_not_depend_on_the_call(int8_activations):
             steps.append(out.logits[0, -1])
     assert torch.equal(prefix, full[:12])
     assert torch.equal(torch.stack(steps[:-1]), full[12:19])
+
+
+def test_a_cache_buffers_view_is_read_in_place_with_the_same_bits():
+    """Keys and values as the first S positions of a preallocated cache buffer (models.kv_cache): read in place,
+    and the output is the bits of the same keys copied out contiguously."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, L, S, capacity, D = 2, 4, 2, 3, 11, 40, 16
+    buffers = [torch.randn(B, Hkv, capacity, D, generator=g) for _ in range(2)]
+    k, v = (b[:, :, :S] for b in buffers)
+    q = torch.randn(B, H, L, D, generator=g)
+    sees = (torch.rand(B, L, S, generator=g) > 0.3).to(torch.uint8)
+    sees[:, :, 0] = 1
+    assert cpu_kernels.buffer_rows(k) == capacity and cpu_kernels.buffer_rows(k.contiguous()) == S
+    assert cpu_kernels.buffer_rows(k.transpose(1, 2)) is None  # another layout is copied first
+    in_place = cpu_kernels.attention(q, k, v, sees, 0.25)
+    copied = cpu_kernels.attention(q, k.contiguous(), v.contiguous(), sees, 0.25)
+    assert torch.equal(in_place, copied)

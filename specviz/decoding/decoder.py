@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from specviz.models.kv_cache import HEADROOM, BufferedCache
 from specviz.models.prompt_cache import Layers, PromptCache
 
 PAD_ID = 0  # the token fed into padding slots; they are masked, so which token it is does not matter
@@ -24,7 +25,8 @@ class SlottedDecoder:
 
     Subclasses say how to build a cache and run the model (`_new_cache`, `_run`); this class keeps the
     slot bookkeeping: `slots[r]` lists the cache slot of every token row r has fed, in order, and `valid`
-    ([B, L] bool, on the model's device) is the attention mask over the cache.
+    ([B, L] bool, on the model's device) is the attention mask over the cache: a view of a preallocated
+    buffer, so that a forward writes its new columns in place instead of copying the mask (issue 29).
     """
 
     def __init__(self, batch: int, device: torch.device, prompt_cache: PromptCache | None = None):
@@ -32,7 +34,7 @@ class SlottedDecoder:
         self.prompt_cache = prompt_cache  # prompts read before (by any decoder of this model); None: always prefill
         self.prompts_reused = 0  # prompts taken from it by this decoder
         self.cache = self._new_cache()
-        self.valid = torch.zeros((batch, 0), dtype=torch.bool, device=device)  # [B, L]
+        self._set_valid(torch.zeros((batch, 0), dtype=torch.bool, device=device))
         self.slots: list[list[int]] = [[] for _ in range(batch)]
         self.real_fed = 0  # tokens fed for real since the last take_counts()
         self.pad_fed = 0  # padding fed beside them
@@ -69,7 +71,7 @@ class SlottedDecoder:
         left-padded cache so that no compute goes into padding."""
         unique = list(dict.fromkeys(tuple(p) for p in prompts))
         if self.shares_identical_prompts and len(unique) < len(prompts):
-            self.valid = self.valid[: len(unique)]
+            self._set_valid(self.valid[: len(unique)])
             self.slots = [[] for _ in unique]
             self._prefill_distinct([list(u) for u in unique])
             self.select([unique.index(tuple(p)) for p in prompts])
@@ -89,10 +91,11 @@ class SlottedDecoder:
             return
         per_row = [self._prompt_layers(r, prompt) for r, prompt in enumerate(prompts)]
         self.cache = self._merge(per_row, [len(p) for p in prompts], width)
-        self.valid = torch.zeros((len(prompts), width), dtype=torch.bool, device=self.device)
+        valid = torch.zeros((len(prompts), width), dtype=torch.bool, device=self.device)
         for r, prompt in enumerate(prompts):
-            self.valid[r, width - len(prompt):] = True
+            valid[r, width - len(prompt):] = True
             self.slots[r] = list(range(width - len(prompt), width))
+        self._set_valid(valid)
         self.take_counts()
 
     def _prompt_layers(self, row: int, prompt: list[int]) -> Layers | None:
@@ -104,6 +107,8 @@ class SlottedDecoder:
             self.prompts_reused += 1
             return layers
         cache = self._new_cache()
+        if isinstance(cache, BufferedCache):
+            cache.reserve(len(prompt), headroom=0)  # the stored entry holds exactly the prompt, contiguous
         ids = torch.tensor([prompt], device=self.device)
         ones = torch.ones_like(ids, dtype=torch.long)
         self._run(ids, ones, torch.arange(len(prompt), device=self.device)[None], 1, cache, [row])
@@ -118,6 +123,9 @@ class SlottedDecoder:
     def _merge(self, rows: list[Layers | None], lengths: list[int], width: int):
         """One cache of batch len(rows) from single-row keys and values, each left-padded with zeros to `width`."""
         merged = self._new_cache()
+        if isinstance(merged, BufferedCache):  # rows written straight into its buffers, no concatenation
+            merged.place_rows(rows, width)
+            return merged
         layers = _self_attention_layers(merged)
         donor = next(r for r, n in zip(rows, lengths) if n)
         for i, (ref_k, ref_v) in enumerate(donor):  # [1, heads, n, head_dim]
@@ -151,7 +159,7 @@ class SlottedDecoder:
             self.slots[r].extend(range(L + width - k, L + width))
         self.real_fed += sum(len(f) for f in feeds)
         self.pad_fed += B * width - sum(len(f) for f in feeds)
-        self.valid = torch.cat([self.valid, new.to(self.device)], dim=1)
+        self._extend_valid(new.to(self.device))
         return self._run(ids.to(self.device), self.valid.long(), positions.to(self.device), keep, self.cache,
                          list(range(B)))
 
@@ -174,7 +182,7 @@ class SlottedDecoder:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.valid.shape[1]:
             self.cache.batch_select_indices(index)
-        self.valid = self.valid[index]
+        self._set_valid(self.valid[index], self._valid_buffer.shape[1])
         self.slots = [list(self.slots[r]) for r in rows]  # copies: a row may be selected twice
         self._select_rows(index)
         self._crop_unused_tail()
@@ -185,6 +193,21 @@ class SlottedDecoder:
         if used < length:
             self.cache.crop(used - length)  # transformers 5 takes the number of slots to drop, negative
             self.valid = self.valid[:, :used]
+
+    def _set_valid(self, valid: torch.Tensor, capacity: int = 0) -> None:  # valid [B, L] bool
+        """Make `valid` a view of a new buffer of at least `capacity` columns (else L + HEADROOM)."""
+        buffer = valid.new_zeros((valid.shape[0], max(capacity, valid.shape[1] + HEADROOM)))
+        buffer[:, : valid.shape[1]] = valid
+        self._valid_buffer = buffer  # [B, capacity]
+        self.valid = buffer[:, : valid.shape[1]]
+
+    def _extend_valid(self, new: torch.Tensor) -> None:  # new [B, W] bool
+        """Append W columns to `valid`, in place while they fit, doubling the buffer otherwise."""
+        length, width = self.valid.shape[1], new.shape[1]
+        if length + width > self._valid_buffer.shape[1]:
+            self._set_valid(self.valid, max(length + width, 2 * self._valid_buffer.shape[1]))
+        self._valid_buffer[:, length: length + width] = new
+        self.valid = self._valid_buffer[:, : length + width]
 
     def take_counts(self) -> tuple[int, int]:
         """(real, padding) tokens fed since the last call."""

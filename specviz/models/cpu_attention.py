@@ -37,7 +37,8 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     else:
         sees = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
     scale = scaling if scaling is not None else D ** -0.5
-    out = cpu_kernels.attention(query.float().contiguous(), key.float().contiguous(), value.float().contiguous(),
+    # keys and values go as they are: a KV cache's views are read in place (cpu_kernels.attention checks layouts)
+    out = cpu_kernels.attention(query.float().contiguous(), key.float(), value.float(),
                                 sees.to(torch.uint8).contiguous(), float(scale))
     return out.to(query.dtype), None
 

@@ -93,8 +93,8 @@ def library() -> ctypes.CDLL:
         lib.specviz_q8_dequant.argtypes = [ptr, ptr, i64, i64, i64, ptr]
         functions = [lib.specviz_q4_matmul, lib.specviz_q8_matmul, lib.specviz_q4_dequant, lib.specviz_q8_dequant]
         if lib.specviz_has_attention():
-            lib.specviz_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                                              cint]
+            lib.specviz_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                                              ptr, cint]
             functions.append(lib.specviz_attention)
         if lib.specviz_has_a8():
             lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
@@ -184,12 +184,27 @@ def has_attention() -> bool:
     return bool(library().specviz_has_attention())
 
 
+def buffer_rows(x: torch.Tensor) -> int | None:
+    """Positions per key head of the buffer `x` [B, Hkv, S, D] is the leading part of: S for a contiguous tensor,
+    a KV cache buffer's capacity for its view (models.kv_cache); None for any other layout (copy it first)."""
+    B, Hkv, S, D = x.shape
+    if x.stride(3) != 1 or x.stride(2) != D or x.stride(1) % D:
+        return None
+    rows = x.stride(1) // D
+    return rows if rows >= S and (B == 1 or x.stride(0) == Hkv * rows * D) else None
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, L, D], k and v [B, Hkv, S, D] fp32 contiguous (H a multiple of Hkv, D of 8), sees [B, L, S] uint8
-    (1: row i attends to key j) -> out [B, L, H, D]: each row over exactly its keys, in order (batch-invariant)."""
+    """q [B, H, L, D] contiguous, k and v [B, Hkv, S, D] fp32, each contiguous or the first S positions of a
+    contiguous buffer (H a multiple of Hkv, D of 8), sees [B, L, S] uint8 (1: row i attends to key j)
+    -> out [B, L, H, D]: each row over exactly its keys, in order (batch-invariant). A cache's views are read in
+    place, not copied: the same numbers in the same order, so the same bits."""
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    rows = buffer_rows(k)
+    if rows is None or buffer_rows(v) != rows:
+        k, v, rows = k.contiguous(), v.contiguous(), S
     out = torch.empty((B, L, H, D), dtype=torch.float32)
-    library().specviz_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), sees.data_ptr(), B, H, Hkv, L, S, D, scale,
-                                out.data_ptr(), torch.get_num_threads())
+    library().specviz_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), sees.data_ptr(), B, H, Hkv, L, S, rows, D,
+                                scale, out.data_ptr(), torch.get_num_threads())
     return out

@@ -20,6 +20,7 @@ from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.drafts import SubsetHead, draft_head_size, special_ids, subset_head
 from specviz.machine import device_name
 from specviz.models.loading import DEFAULT, ModelLoadError, OnTarget, Progress, _silent
+from specviz.models.kv_cache import BufferedCache
 from specviz.models.quant import quantize_draft_int8
 from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names
 from specviz.speech.whisper_loader import load_whisper
@@ -161,7 +162,8 @@ class WhisperDecoder(SlottedDecoder):
         super().__init__(encoder_out.shape[0], model.device)
 
     def _new_cache(self) -> EncoderDecoderCache:
-        return EncoderDecoderCache(DynamicCache(), DynamicCache())
+        # self-attention grows every step: written in place (models.kv_cache); cross-attention once per window
+        return EncoderDecoderCache(BufferedCache(), DynamicCache())
 
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
         encoder_out = self.encoder_out if len(rows) == self.encoder_out.shape[0] else self.encoder_out[rows]

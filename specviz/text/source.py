@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from specviz.config import SpecConfig
 from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.drafts import SubsetHead, draft_head_size, special_ids, subset_head
 from specviz.machine import device_name
+from specviz.models.kv_cache import BufferedCache
 from specviz.models.loading import ModelPair
 from specviz.models.prompt_cache import PromptCache
 from specviz.text.prompts import InputError, max_prompt_tokens, summarization_prompt
@@ -16,15 +16,16 @@ from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names
 
 
 class CausalLMDecoder(SlottedDecoder):
-    """A decoder-only transformers model (Qwen2, Llama, ...) on a DynamicCache."""
+    """A decoder-only transformers model (Qwen2, Llama, ...) on a BufferedCache: keys and values written in place
+    into preallocated buffers, where DynamicCache would copy the whole cache at every step (issue 29)."""
 
     def __init__(self, model, vocab: int, batch: int, head: SubsetHead | None = None,
                  prompt_cache: PromptCache | None = None):
         self.model, self.vocab, self.head = model, vocab, head
         super().__init__(batch, model.device, prompt_cache)
 
-    def _new_cache(self) -> DynamicCache:
-        return DynamicCache()
+    def _new_cache(self) -> BufferedCache:
+        return BufferedCache()
 
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

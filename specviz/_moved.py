@@ -44,7 +44,6 @@ MOVED: dict[str, str] = {
     "gguf_pack": "models.gguf_pack",
     "handlers": "page.handlers",
     "hub": "models.hub",
-    "metrics": "evaluation.metrics",
     "models": "models.loading",
     "notation": "figures.notation",
     "packed": "models.packed",

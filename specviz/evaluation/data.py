@@ -22,21 +22,19 @@ from typing import Any, Iterator, Mapping, Sequence
 
 
 from specviz.text.prompts import MAX_ARTICLE_CHARS
-from specviz.runs.settings import SPEECH, TEXT
-from specviz.paths import ASSETS
+from specviz.runs.tasks import SPEECH, SUMMARIZE, TASKS, TEXT, TRANSCRIBE
 from specviz.evaluation.datasets import checked_columns, read_dataset
 from specviz.evaluation.examples import (MAX_ROWS, EvalDataError, Example, article_text,
                                         check_file_size, example_id, member_path, text_field, too_many)
 
-BUNDLED_TEXT = ASSETS / "eval" / "text"
-BUNDLED_SPEECH = ASSETS / "eval" / "speech"
+BUNDLED_TEXT = SUMMARIZE.bundled
+BUNDLED_SPEECH = TRANSCRIBE.bundled
 
 MANIFEST = "manifest.jsonl"
 
 # Keys of a manifest row, by task: (the input's keys, the reference's key).
-_TEXT_INPUTS = ("article", "article_file")
-_SPEECH_INPUT = "audio"
-_REFERENCE_KEY = {TEXT: "summary", SPEECH: "transcript"}
+_TEXT_INPUTS = (SUMMARIZE.input_key, "article_file")
+_SPEECH_INPUT = TRANSCRIBE.input_key
 
 
 
@@ -74,7 +72,7 @@ def describe(path: str | Path, *, examples: Sequence[Example] | None = None,
         raise EvalDataError(f"{path}: the data set holds no examples")
     form, source = _form(Path(path))
     count = len(examples)
-    noun = "article" if examples[0].task == TEXT else "audio clip"
+    noun = TASKS[examples[0].task].input_noun
     if source.is_file():  # a manifest or one parquet file
         folder, what = source.parent, source.name
     else:
@@ -200,7 +198,7 @@ def _json_type(value: Any) -> str:
 
 
 def _kind(task: str) -> str:
-    return "text" if task == TEXT else "speech"
+    return TASKS[task].kind
 
 
 def _row_task(row: dict[str, Any], where: str) -> str:
@@ -218,11 +216,12 @@ def _row_task(row: dict[str, Any], where: str) -> str:
 
 def _manifest_example(row: dict[str, Any], task: str, folder: Path, where: str, seen: dict[str, str]) -> Example:
     ident = example_id(row.get("id"), where, seen)
-    if task == SPEECH:
-        given = str(member_path(folder, row["audio"], "audio", where))
+    spec = TASKS[task]
+    if spec.input_is_file:  # an audio clip: checked to exist inside the folder, decoded by the cell that runs it
+        given = str(member_path(folder, row[spec.input_key], spec.input_key, where))
     elif "article" in row:
         given = article_text(row["article"], "article", where)
     else:
         given = _article_file(folder, row["article_file"], where)
-    reference = text_field(row.get(_REFERENCE_KEY[task]), _REFERENCE_KEY[task], where)
+    reference = text_field(row.get(spec.reference_noun), spec.reference_noun, where)
     return Example(ident, task, given, reference)

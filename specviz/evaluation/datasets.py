@@ -12,7 +12,7 @@ import numpy as np
 
 from specviz.speech.audio import AudioError, load_audio, to_model_input
 from specviz.evaluation.examples import (COLUMN_NAMES, MAX_ROWS, EvalDataError, Example, article_text, check_file_size, example_id, member_path, text_field, too_many)
-from specviz.runs.settings import SPEECH, TEXT
+from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE, Task
 
 
 def checked_columns(columns: Mapping[str, str] | None) -> dict[str, str]:
@@ -78,15 +78,17 @@ def read_dataset(form: str, source: Path, columns: dict[str, str], limit: int | 
 def _dataset_examples(table, source: Path, folder: Path, columns: dict[str, str], datasets) -> list[Example]:
     names = list(table.column_names)
     input_col = columns.get("input") or ("audio" if "audio" in names else "article")
-    task = SPEECH if _is_audio_column(input_col, table.features.get(input_col), datasets) else TEXT
-    ref_default = "summary" if task == TEXT else ("transcript" if "transcript" in names else "text")
+    task: Task = TRANSCRIBE if _is_audio_column(input_col, table.features.get(input_col), datasets) else SUMMARIZE
+    ref_default = task.reference_noun
+    if task is TRANSCRIBE and ref_default not in names:
+        ref_default = "text"  # what many speech data sets call the transcript
     ref_col = columns.get("reference", ref_default)
     id_col = columns.get("id")
     for col, ours in ((input_col, "input"), (ref_col, "reference"), (id_col, "id")):
         if col is not None and col not in names:
             raise EvalDataError(f"{source}: no column {col!r} for the {ours} (columns: {', '.join(names)}); "
                                 f"name it with columns={{{ours!r}: ...}}")
-    if task == SPEECH and isinstance(table.features[input_col], datasets.Audio):
+    if task is TRANSCRIBE and isinstance(table.features[input_col], datasets.Audio):
         # undecoded cells ({path, bytes}): specviz.speech.audio decodes them, with its limits, not datasets' backend
         table = table.cast_column(input_col, datasets.Audio(decode=False))
     table = table.select_columns([c for c in (input_col, ref_col, id_col) if c is not None])
@@ -95,11 +97,11 @@ def _dataset_examples(table, source: Path, folder: Path, columns: dict[str, str]
     for index, row in enumerate(table):
         where = f"{source}, row {index}"
         ident = example_id(_dataset_id(row[id_col], where) if id_col else str(index), where, seen)
-        if task == SPEECH:
+        if task is TRANSCRIBE:  # reading audio cells is this module's own (datasets' forms of audio)
             given = _audio_cell(row[input_col], folder, input_col, where)
         else:
             given = article_text(row[input_col], input_col, where)
-        examples.append(Example(ident, task, given, text_field(row[ref_col], ref_col, where)))
+        examples.append(Example(ident, task.name, given, text_field(row[ref_col], ref_col, where)))
     return examples
 
 

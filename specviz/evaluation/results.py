@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from specviz import speedup
-from specviz.config import MODES, default_sigmoid_range
-from specviz.runs.settings import SPEECH, TASKS
+from specviz.config import MODES
+from specviz.runs.tasks import TASKS
 
 MAX_RESULTS_BYTES = 64 << 20
 MAX_LINE_CHARS = 1 << 20
@@ -285,7 +285,7 @@ def table2(rows: list[Summary]) -> str:
     for s in sig:
         e = exact.get((s.gamma_policy, s.temperature))
         change = s.score - e.score if e is not None and e.score is not None and s.score is not None else None
-        scale = default_sigmoid_range(s.task == SPEECH)
+        scale = TASKS[s.task].sigmoid_range  # a checked record's task (read_records)
         low = f"{s.sigmoid_alpha:g}" if s.sigmoid_alpha is not None else f"{-scale:g} (default)"
         high = f"{s.sigmoid_beta:g}" if s.sigmoid_beta is not None else f"{scale:g} (default)"
         lines.append(f"| {low} | {high} | {_text(s.gamma_policy)} | "

@@ -12,14 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 
 from specviz import machine
-from specviz.evaluation import metrics
 from specviz.evaluation.examples import Example
 from specviz.runs.decode import run
-from specviz.runs.settings import SPEECH, TEXT
+from specviz.runs.tasks import task_of
 from specviz.evaluation.sweep import Cell, Grid
 from specviz.traces.trace import Trace
 
@@ -46,15 +44,8 @@ class Models:
 
 
 def load_models(models: Models):
-    if models.task == SPEECH:
-        from specviz.speech.asr import load_speech_pair
-
-        return load_speech_pair(models.target, models.draft, device=models.device, dtype=models.dtype or "fp32",
-                                draft_int8=models.draft_int8)
-    from specviz.models.loading import load_pair
-
-    return load_pair(models.draft, models.target, device=models.device, dtype=models.dtype,
-                     draft_int8=models.draft_int8, weights=models.weights)
+    return task_of(models.task).load_pair(models.draft, models.target, device=models.device, dtype=models.dtype,
+                                          draft_int8=models.draft_int8, weights=models.weights)
 
 
 class CellRunner:
@@ -67,15 +58,7 @@ class CellRunner:
         self.names = f"{self.pair.draft_name} → {self.pair.target_name}"
 
     def source(self, example: Example, cfg):
-        if example.task == TEXT:
-            from specviz.text.source import article_source
-
-            return article_source(self.pair, [(example.id, example.input)], cfg)
-        from specviz.speech.asr import SpeechSource
-        from specviz.speech.audio import load_audio
-
-        audio = example.input if isinstance(example.input, np.ndarray) else load_audio(example.input)
-        return SpeechSource(self.pair, [(example.id, audio)], draft_vocab=cfg.draft_vocab)
+        return task_of(example.task).source(self.pair, [(example.id, example.input)], cfg)
 
     def run(self, cell: Cell, grid: Grid) -> dict[str, Any]:
         cfg = grid.settings(cell.variant, cell.temperature, cell.seed).spec(cell.example.task)
@@ -87,7 +70,7 @@ class CellRunner:
 def measurements(trace: Trace, cell: Cell, seconds: float) -> dict[str, Any]:
     """What a results file keeps of one run."""
     s = trace.summary()
-    metric, value = metrics.score(cell.example.task, cell.example.reference, trace.output_text)
+    metric, value = task_of(cell.example.task).score(cell.example.reference, trace.output_text)
     by_gamma: dict[int, list[float]] = {}
     for step in trace.steps:
         if step.gamma > 0:

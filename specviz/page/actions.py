@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from specviz.evaluation import metrics
 from specviz.figures import report
 from specviz.speech.audio import load_audio
 from specviz.runs.compare import Row, compare, hf_assisted_runs, noise, source_runner
@@ -38,7 +37,7 @@ from specviz.runs.replay import replaying
 from specviz.runs.decode import builder_for, records
 from specviz.page.sessions import ModelCache, StopFlag
 from specviz.runs.settings import TEXT, Settings, declaration
-from specviz.text.source import article_source
+from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE, task_of
 from specviz.figures.token_view import token_html
 from specviz.traces.trace import Trace
 from specviz.verify import kernels_active
@@ -111,7 +110,7 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
             stop.stop("the page stopped reading the run")
 
 
-def _article_source(models: ModelCache, article: str, settings: Settings, cfg: SpecConfig,
+def _article_source(models: ModelCache, article: str | None, settings: Settings, cfg: SpecConfig,
                     progress: Progress) -> Source:
     if not article or not article.strip():
         raise InputError("the article is empty: paste some text or load the sample")
@@ -120,25 +119,25 @@ def _article_source(models: ModelCache, article: str, settings: Settings, cfg: S
     if not low <= settings.sequences <= high:
         raise InputError(f"the page decodes {low:g} to {high:g} sequences at once, not {settings.sequences}")
     pair = models.text(settings.draft, settings.target, progress)
-    return article_source(pair, [("article", article)], cfg, settings.sequences)
+    return SUMMARIZE.source(pair, [("article", article)], cfg, settings.sequences)
 
 
 def _speech_source(models: ModelCache, audio_path: str | None, settings: Settings, cfg: SpecConfig,
                    progress: Progress) -> Source:
-    from specviz.speech.asr import SpeechSource
-
     if not audio_path:
         raise InputError("no audio: upload or record a clip, or load the sample")
-    audio = load_audio(audio_path)
+    audio = load_audio(audio_path)  # a bad clip is refused before minutes go into loading models
     pair = models.speech(settings.draft, settings.target, progress)
-    return SpeechSource(pair, [(Path(audio_path).name, audio)], draft_vocab=cfg.draft_vocab)
+    return TRANSCRIBE.source(pair, [(TRANSCRIBE.shown(audio_path), audio)], cfg)
+
+
+# What the page checks of each task's input before it loads models, and how it builds the source
+_SOURCES: dict[str, Callable[..., Source]] = {SUMMARIZE.name: _article_source, TRANSCRIBE.name: _speech_source}
 
 
 def _source(models: ModelCache, task: str, source_input: str | None, settings: Settings, cfg: SpecConfig,
             progress: Progress) -> Source:
-    if task == TEXT:
-        return _article_source(models, source_input or "", settings, cfg, progress)
-    return _speech_source(models, source_input, settings, cfg, progress)
+    return _SOURCES[task_of(task).name](models, source_input, settings, cfg, progress)
 
 
 def stream_run(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
@@ -149,7 +148,7 @@ def stream_run(models: ModelCache, task: str, source_input: str | None, settings
     if gamma_schedule:
         cfg = replaying(cfg, gamma_schedule)
     source = _source(models, task, source_input, settings, cfg, progress)
-    shown = source_input if task == TEXT else Path(source_input).name
+    shown = task_of(task).shown(source_input)
     meta = {"input": shown, "page_settings": settings.to_dict()}
     return _streamed(source, cfg, meta, stop)
 
@@ -167,11 +166,11 @@ class References:
     @staticmethod
     def key(task: str, source_input: str | None, settings: Settings) -> tuple:
         """What target-only's output and speed depend on (nothing about the draft or verification)."""
-        if task == TEXT:
-            what = hashlib.sha256((source_input or "").encode("utf-8", "replace")).hexdigest()
-        else:
+        if task_of(task).input_is_file:
             stat = Path(source_input or "").stat()
             what = (str(Path(source_input or "").resolve()), stat.st_size, stat.st_mtime_ns)
+        else:
+            what = hashlib.sha256((source_input or "").encode("utf-8", "replace")).hexdigest()
         sampling = settings.spec(task).sampling
         return (task, what, settings.target, sampling, settings.max_new_tokens, settings.seed, settings.sequences)
 
@@ -229,7 +228,7 @@ def compare_modes(models: ModelCache, task: str, source_input: str | None, setti
     for trace in traces.values():
         trace.meta.setdefault("page_settings", dataclasses.replace(
             settings, mode=trace.mode if trace.mode in MODES else settings.mode).to_dict())
-        trace.meta.setdefault("input", source_input if task == TEXT else Path(source_input).name)
+        trace.meta.setdefault("input", task_of(task).shown(source_input))
     decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
     note = report.compare_note(rounds, noise(rows), decoding)
     drift = report.sigmoid_drift(traces)
@@ -241,7 +240,7 @@ def score(trace: Trace, task: str, reference: str) -> None:
     if not reference.strip():
         return
     trace.meta["reference"] = reference
-    name, value = metrics.score(task, reference, trace.output_text)
+    name, value = task_of(task).score(reference, trace.output_text)
     trace.meta[name] = value
 
 

@@ -21,13 +21,14 @@ from specviz.page import actions as page, sessions
 from specviz.memory import release_freed_memory
 from specviz.page.shelf import Ticket, TraceShelf, json_size
 from specviz.runs.compare import Row
-from specviz.evaluation.data import BUNDLED_SPEECH, BUNDLED_TEXT, describe, load_examples
+from specviz.evaluation.data import describe, load_examples
 from specviz.evaluation.figures import tradeoff_figure, verify_gamma_figure
 from specviz.evaluation.results import Results, ResultsError, load_results, summarize, table1, table2
 from specviz.evaluation.run import Models, ResultsFile, SweepProgress, run_serial
-from specviz.text.prompts import ASSETS, InputError, sample_article
+from specviz.text.prompts import ASSETS, InputError
 from specviz.runs.replay import rerun_request
-from specviz.runs.settings import SPEECH, TEXT, Settings, page_names
+from specviz.runs.settings import TEXT, Settings, page_names
+from specviz.runs.tasks import SUMMARIZE, TASKS, TRANSCRIBE, task_of, task_of_kind
 from specviz.evaluation.sweep import Grid
 from specviz.traces.trace import Trace, TraceFormatError
 from specviz.traces.json_format import load_trace
@@ -38,7 +39,7 @@ Updates = dict[str, Any]
 Values = Mapping[str, Any]
 Progress = Callable[[str, "float | None"], None]
 
-SAMPLE_AUDIO = str(ASSETS / "sample_speech.flac")
+SAMPLE_AUDIO = TRANSCRIBE.sample_input()
 SAMPLE_TRANSCRIPT = (ASSETS / "sample_speech.txt").read_text(encoding="utf-8").strip()
 PLOTS = ("gamma", "acceptance", "timing", "verify", "theory", "batch")
 VIEW = ("output", "summary", "warning", "tokens", *(f"{name}_plot" for name in PLOTS))  # what a trace redraws
@@ -119,7 +120,8 @@ def idle(values: Values) -> Updates:
 
 
 def _source_input(values: Values) -> str | None:
-    return values["article"] if values["task"] == TEXT else values["audio"]
+    task = TASKS.get(values["task"])  # None: an unknown task, which Settings.spec refuses naming the choices
+    return values[task.input_key] if task is not None else None
 
 
 def run(server: Server, values: Values, caller: Caller, gamma_schedule: tuple[int, ...] = ()) -> Iterator[Updates]:
@@ -140,7 +142,7 @@ def run(server: Server, values: Values, caller: Caller, gamma_schedule: tuple[in
         trace, ticket = None, None
         for trace, done in stream:
             if done:
-                reference = values["reference_summary"] if task == TEXT else values["reference_transcript"]
+                reference = values["reference_" + task_of(task).reference_noun]  # the page's reference boxes
                 page.score(trace, task, reference or "")
                 note = ("Stopped" if trace.stopped else "Done") + \
                     f": {trace.new_tokens} tokens in {len(trace.steps)} iterations."
@@ -244,7 +246,8 @@ def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]
 
 def opened(server: Server, trace: Trace, how: str) -> Updates:
     """Show a trace in the main view with its settings and input restored, ready to export."""
-    text = trace.meta.get("input") if trace.task == TEXT else None
+    task = TASKS.get(trace.task)
+    text = trace.meta.get("input") if task is not None and not task.input_is_file else None
     restored = Settings.from_meta(trace.meta).to_dict()
     updates = {"status": stamp(how), **_exported(server, trace),
                "results": gr.Tabs(selected="run-results"), "replay": _replay_at_end(trace), **views(trace),
@@ -311,7 +314,7 @@ def why(server: Server, values: Values) -> Updates:
 
 
 def sample_text(values: Values) -> Updates:
-    return {"article": sample_article()}
+    return {"article": SUMMARIZE.sample_input()}
 
 
 def sample_audio(values: Values) -> Updates:
@@ -355,12 +358,12 @@ def evaluate(server: Server, values: Values, caller: Caller) -> Iterator[Updates
     stop = server.stops.start(caller.session)
     try:
         settings = settings_of(values)
-        task = TEXT if values["eval_data"] == "text" else SPEECH
+        task = task_of_kind(values["eval_data"])
         count = int(values["eval_examples"])
         if not 1 <= count <= PAGE_SWEEP_EXAMPLES:
             raise InputError(f"the page evaluates 1 to {PAGE_SWEEP_EXAMPLES} examples; the CLI runs whole data sets")
         server.limits.check_evaluation(count)
-        data = BUNDLED_TEXT if task == TEXT else BUNDLED_SPEECH
+        data = task.bundled
         examples = load_examples(data, limit=count)
         base = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, PAGE_SWEEP_TOKENS))
         grid = Grid(policies=(settings.gamma_policy,), sigmoid_ranges=((settings.sigmoid_alpha, settings.sigmoid_beta),),
@@ -368,15 +371,15 @@ def evaluate(server: Server, values: Values, caller: Caller) -> Iterator[Updates
         cells = grid.cells(examples)
         yield {"status": stamp(f"Evaluating: {len(cells)} runs on {len(examples)} bundled example(s); loading models…"),
                "results": gr.Tabs(selected="eval-results")}
-        load = server.models.text if task == TEXT else server.models.speech
+        load = getattr(server.models, task.kind)  # ModelCache loads (and keeps) each kind's pairs: text, speech
         pair = load(settings.draft, settings.target, caller.progress)
-        path = page.download_folder() / f"specviz-eval-{task}-{time.strftime('%Y%m%d-%H%M')}.jsonl"
+        path = page.download_folder() / f"specviz-eval-{task.name}-{time.strftime('%Y%m%d-%H%M')}.jsonl"
 
         def on_cell(progress: SweepProgress, record: dict) -> None:
             caller.progress(f"run {progress.done} of {progress.total}: {record['example']} · {record['variant']}",
                             progress.done / progress.total)
 
-        models = Models(task, settings.draft, settings.target)
+        models = Models(task.name, settings.draft, settings.target)
         done = run_serial(cells, grid, models, ResultsFile(path), describe(data, examples=examples), on_cell=on_cell,
                           should_stop=stop.is_set, pair=pair)
         what = "Stopped" if stop.is_set() else "Done"

@@ -11,7 +11,8 @@ import dataclasses
 from pathlib import Path
 
 from specviz.config import REPLAY, SpecConfig
-from specviz.runs.settings import TEXT, Settings
+from specviz.runs.settings import Settings
+from specviz.runs.tasks import TASKS
 from specviz.text.prompts import InputError
 from specviz.traces.json_format import load_trace
 from specviz.traces.trace import Trace
@@ -40,6 +41,7 @@ def rerun_request(trace: Trace) -> tuple[Settings, str, tuple[int, ...]]:
     """What the page needs to decode a loaded text trace again exactly: its settings, its article, its γ
     schedule. A speech trace keeps its clip's name, not its audio: refused."""
     article = trace.meta.get("input")
-    if trace.task != TEXT or not isinstance(article, str) or not article.strip():
+    task = TASKS.get(trace.task)  # None: no task recorded, or one unknown here
+    if task is None or task.input_is_file or not isinstance(article, str) or not article.strip():
         raise InputError("only a summary's trace holds its input; for a transcription, load the clip and Run")
     return Settings.from_meta(trace.meta), article, schedule(trace)

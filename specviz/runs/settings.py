@@ -13,12 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from specviz.config import (DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig, default_sigmoid_range, draft_defaults)
+from specviz.config import DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig
 from specviz.decoding.gamma import DEFAULT_POLICY
 from specviz.models.loading import DEFAULT
+from specviz.runs.tasks import SPEECH, TASKS, TEXT  # noqa: F401 (declared with the tasks; many import them from here)
 
-TEXT, SPEECH = "summarize", "transcribe"
-TASKS = (TEXT, SPEECH)
 AUTO = "auto"
 _SAME = object()  # a surface's default that is the declared default
 
@@ -39,7 +38,7 @@ class Setting:
     high: float | None = None
     page_range: tuple[float, float] | None = None  # narrower on the page, where a run should stay interactive
     step: float | None = None  # slider step; None: Gradio's
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = tuple(TASKS)
     flag: str | None = ""  # the CLI flag; "": --<name-with-dashes>; None: page only
     cli_default: Any = _SAME
     elem_id: str = ""  # the page control's element id; "": <name-with-dashes>
@@ -143,15 +142,14 @@ class Settings:
         return self.decoding == "greedy" or self.temperature == 0
 
     def batch(self, task: str) -> int:
-        return self.sequences if task == TEXT else 1
+        return TASKS[task].batch(self.sequences) if isinstance(task, str) and task in TASKS else 1
 
     def spec(self, task: str) -> SpecConfig:
         """The SpecConfig these settings mean for `task`: "auto" and 0 resolved to the task's measured
         defaults (the γ policy: gamma.DEFAULT_POLICY)."""
-        if task not in TASKS:
+        if not isinstance(task, str) or task not in TASKS:
             raise SettingError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-        scale = default_sigmoid_range(task == SPEECH)
-        drafts = draft_defaults(task == SPEECH)
+        scale, drafts = TASKS[task].sigmoid_range, TASKS[task].draft_defaults
         sampling = SamplingConfig() if self.greedy else SamplingConfig(self.temperature, self.top_k, self.top_p)
         policy = DEFAULT_POLICY if self.gamma_policy == AUTO else self.gamma_policy
         return SpecConfig(

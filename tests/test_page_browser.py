@@ -310,7 +310,9 @@ def test_embedded_pair_summarizes_the_sample(page, shots):
     page.locator("#max-new-tokens input[type=number]").fill("48")
     status = _click_and_wait(page, "#run-button")
     assert "Done" in status, status
-    assert "Harbor" in page.input_value("#output-text textarea") or "bike" in page.input_value("#output-text textarea")
+    # sampled, under the cost policy whose γ follows measured time: the words vary from run to run, the subject not
+    output = page.input_value("#output-text textarea").lower()
+    assert any(word in output for word in ("harbor", "bike", "bicycle", "cycl")), output
     assert page.locator("#token-view .sv-tok.sv-accepted").count() > 5
     page.screenshot(path=str(shots / "summarize-embedded.png"), full_page=True)
 
@@ -447,7 +449,7 @@ def test_compare_rounds_show_spread_and_open_a_run(page, tiny_dirs, shots):
     page.get_by_role("option", name="sigmoid").click()
     page.click("#open-compare-trace")
     _wait_status(page, "Opened the sigmoid run", timeout=60_000)
-    assert page.inner_text("#run-summary").startswith("sigmoid")
+    assert re.search(r"^sigmoid ·", page.inner_text("#run-summary"), re.M)  # the line after the glance cards
     assert page.locator("#mode-select input[value=sigmoid]").is_checked()
     with page.expect_download() as download:
         page.click("#export-button")

@@ -129,7 +129,7 @@ def glance_html(trace: Trace) -> str:
 
 def summary_markdown(trace: Trace) -> str:
     s = trace.summary()
-    lines = [glance_html(trace)]
+    lines = []
     if trace.stopped:
         lines.append(f"**Stopped** after {len(trace.steps)} iterations: the trace holds what was decoded so far.")
     reused = number(trace.meta, "prompts_reused")
@@ -173,7 +173,8 @@ def summary_markdown(trace: Trace) -> str:
         lines.append("γ was read from a trace's schedule (a run decoded again exactly), not chosen by a policy.")
     if s.get("explain_s"):
         lines.append(f"Recording the distributions for “why?” took {s['explain_s']:.2f} s, left out of every time above.")
-    return "  \n".join(lines)
+    # the cards as a block of their own, the sentences as the paragraph after them
+    return glance_html(trace) + "\n\n" + "  \n".join(lines)
 
 
 def draft_line(trace: Trace, s: dict[str, Any]) -> str:

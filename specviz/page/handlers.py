@@ -286,8 +286,8 @@ def open_compared(server: Server, values: Values) -> Updates:
 
 
 def export(server: Server, values: Values) -> Updates:
-    """The session's current trace as a file to download (the API's `export`; the page's Export button already
-    holds it). Written again if its file was pruned."""
+    """The session's current trace written as a file to download (the API's `export`: an API client has no
+    Export button, which already holds the file a run or a load wrote)."""
     trace = server.traces.get(values["trace"]) if values["trace"] is not None else None
     if trace is None:
         return {"status": stamp("Run something or load a trace first." if values["trace"] is None else GONE)}

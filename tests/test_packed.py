@@ -162,6 +162,40 @@ def test_kernel_rows_are_bitwise_batch_invariant(kind, group, int8_activations):
             assert torch.equal(together[r], alone[r // 23]), f"row {r} differs when scored among {m} rows"
 
 
+@A8
+def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
+    """The 8-bit-activation kernels choose their instructions and tile by the machine they are built on
+    (vpdpbusd and 4-row tiles where AVX-512 VNNI is, vpmaddubsw and 2-row tiles on plain AVX2). Their integer
+    sums are exact either way and the float operations per output are the same, so the two builds must
+    agree bit for bit: a trace's target does not depend on which of these CPUs ran it."""
+    import ctypes
+    import subprocess
+
+    avx2 = tmp_path / "avx2.so"
+    subprocess.run([cpu_kernels._compiler(), "-O3", "-march=haswell", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+                    *map(str, cpu_kernels.SOURCES), "-o", str(avx2)], check=True, capture_output=True, timeout=300)
+    lib = ctypes.CDLL(str(avx2))
+    native = cpu_kernels.library()
+    for f in (lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul):
+        f.argtypes, f.restype = getattr(native, f.__name__).argtypes, None
+    for kind, group in KERNEL_CASES:
+        packed = random_packed(kind, 37, 448, seed=7, group=group)
+        if kind == "q8":  # the extreme code too: |−128| is the one weight magnitude that needs all 8 bits
+            packed.q[0, :5] = -128
+        bias = torch.randn(37)
+        for m in (1, 2, 3, 5, 8, 13):
+            x = torch.randn(m, 448) * 3
+            ours = PackedLinear(packed, bias, int8_activations=True)(x)
+            theirs = torch.empty(m, 37)
+            if kind == "q4":
+                lib.specviz_q4a8_matmul(x.data_ptr(), m, 448, packed.q.data_ptr(), packed.scale.data_ptr(),
+                                        packed.minv.data_ptr(), 37, bias.data_ptr(), theirs.data_ptr(), 2)
+            else:
+                lib.specviz_q8a8_matmul(x.data_ptr(), m, 448, packed.q.data_ptr(), packed.scale.data_ptr(), group,
+                                        37, bias.data_ptr(), theirs.data_ptr(), 2)
+            assert torch.equal(ours, theirs), f"{kind} (group {group}), {m} rows: the builds differ"
+
+
 def packed_twin(model: nn.Module, seed: int, like: dict[str, Packed] | None = None, int8_activations: bool = False
                 ) -> tuple[nn.Module, nn.Module, dict[str, Packed]]:
     """(dense, packed, blocks): `model` with every linear weight replaced, in place, by a packed weight's

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 from torch import nn
 
-from specviz.models import cpu_kernels
+from specviz.models import cpu_kernels, lean
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.models.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
 from specviz.models.loading import ModelPair
@@ -219,7 +219,7 @@ def packed_twin(model: nn.Module, seed: int, like: dict[str, Packed] | None = No
         blocks[name] = p
     twin = type(model)(model.config).float().eval()
     twin.load_state_dict(model.state_dict())
-    return model, apply_packed(twin, blocks, int8_activations), blocks
+    return model, lean.attach(apply_packed(twin, blocks, int8_activations)), blocks  # as load_model does
 
 
 @pytest.fixture(scope="module", params=ACTIVATIONS, ids=["fp32-activations", "int8-activations"])

@@ -14,6 +14,7 @@ from typing import Callable
 from specviz.cache import cache_dir
 from specviz.decoding.cost import CostModel
 from specviz.machine import describe as describe_machine
+from specviz.models.cpu_kernels import source_digest
 
 CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row scored in the calibration calls
 CALIBRATION_REPEATS = 2  # timed calls per point (twice as many at one token), after one warm-up
@@ -35,7 +36,8 @@ def _timed(call: Callable[[], None], repeats: int) -> list[float]:
 
 
 def _cache_path(identity: dict) -> Path:
-    key = json.dumps({**identity, "machine": describe_machine(), "version": CALIBRATION_VERSION}, sort_keys=True)
+    key = json.dumps({**identity, "machine": describe_machine(), "kernels": source_digest(),
+                      "version": CALIBRATION_VERSION}, sort_keys=True)  # new kernels: new prices
     return cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 

@@ -20,6 +20,8 @@ import warnings
 import torch
 from torch import nn
 
+from specviz.models.packed import PackedLinear
+
 LOOKUP_MAX_NGRAM = 3  # longest suffix matched; longer matches are tried first
 
 
@@ -33,7 +35,9 @@ def subset_ids(vocab_size: int, k: int, always: set[int]) -> torch.Tensor:
 
 
 def _rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
-    """A linear layer computing `head`'s outputs for rows `ids` only; int8 heads stay int8."""
+    """A linear layer computing `head`'s outputs for rows `ids` only; int8 and packed heads stay so."""
+    if isinstance(head, PackedLinear):  # its rows keep their own blocks and scales
+        return head.select_rows(ids.to(head.q.device))
     qlinear = torch.ao.nn.quantized.dynamic.Linear
     if isinstance(head, qlinear):
         weight = head.weight()  # per-tensor int8: rows keep the same scale
@@ -77,6 +81,8 @@ class SubsetHead:
 def _device(head: nn.Module) -> torch.device:
     if isinstance(head, torch.ao.nn.quantized.dynamic.Linear):
         return torch.device("cpu")
+    if isinstance(head, PackedLinear):
+        return head.q.device
     return head.weight.device
 
 

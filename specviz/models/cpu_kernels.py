@@ -41,6 +41,11 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
+def source_digest() -> str:
+    """A digest of the kernels' source: whatever was measured on one version (a cost table) is not another's."""
+    return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
+
+
 def _compiler() -> str:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):

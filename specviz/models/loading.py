@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specviz.models import cpu_kernels, hub
 from specviz.cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
 from specviz.models.errors import ModelLoadError
+from specviz.models import lean
 from specviz.models.packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current, save_packed)
 from specviz.models.prompt_cache import PromptCache
 from specviz.models.quant import quantize_draft_int8
@@ -298,6 +299,7 @@ def load_model(
                                      "delete that directory to convert the model again")
             a8 = weights == "packed-a8" or (weights == "auto" and cpu_kernels.has_int8_activations())
             apply_packed(model, blocks, int8_activations=a8)
+            lean.attach(model)  # transformers' arithmetic without its per-layer Python (models/lean.py)
     except ModelLoadError:
         raise
     except PackingError as e:

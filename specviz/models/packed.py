@@ -92,6 +92,35 @@ class PackedLinear(nn.Module):
                 f"{activations} activations")
 
 
+def fuse(layers: list[PackedLinear]) -> PackedLinear | None:
+    """One PackedLinear computing the outputs of `layers` side by side (their rows concatenated), or None
+    when they differ in format (kind, scale groups, activations, bias or not). The kernels compute every
+    output column alone, so the fused layer's outputs are the same bits as each layer's own. The layers
+    then hold views of the fused tensors: they keep working, and the weights are stored once."""
+    first = layers[0]
+    same = all(m.kind == first.kind and m.in_features == first.in_features
+               and m.int8_activations == first.int8_activations and m.scale.shape[1] == first.scale.shape[1]
+               and (m.bias is None) == (first.bias is None) and (m.minv is None) == (first.minv is None)
+               for m in layers)
+    if not same:
+        return None
+
+    def cat(name: str) -> torch.Tensor | None:
+        return None if getattr(first, name) is None else torch.cat([getattr(m, name) for m in layers])
+
+    source = "+".join(sorted({m.source for m in layers}))
+    fused = PackedLinear(Packed(first.kind, cat("q"), cat("scale"), cat("minv"), source), cat("bias"),
+                         first.int8_activations)
+    start = 0
+    for m in layers:
+        rows = slice(start, start + m.out_features)
+        for name in ("q", "scale", "minv", "bias"):
+            if getattr(fused, name) is not None:
+                setattr(m, name, getattr(fused, name)[rows])
+        start += m.out_features
+    return fused
+
+
 class PackingError(ValueError):
     """A GGUF file's blocks cannot stand in for the model's linear layers; the message says which and why."""
 

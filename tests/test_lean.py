@@ -1,0 +1,94 @@
+"""The lean forward (specviz/models/lean.py) against transformers' own on packed tiny models: the same logits,
+bit for bit, through prefills of different lengths (the prompt merge), ragged feeds, rollback, row selection and
+the reduced draft head, with fused projections and without; and it stays off where it would not be exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specviz.decoding.drafts import subset_head
+from specviz.models import cpu_kernels, lean
+from specviz.models.packed import PackedLinear, apply_packed
+from specviz.text.source import CausalLMDecoder
+
+from conftest import VOCAB, tiny_qwen
+from test_packed import random_packed
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available() or not cpu_kernels.has_attention() or not cpu_kernels.has_int8_activations(),
+    reason="the lean forward runs on the AVX2 build of the CPU kernels")
+
+# one format for every layer (q/k/v and gate/up fuse), or three in turn (nothing fuses)
+FORMATS = {"fused": [("q4", 32)], "unfused": [("q4", 32), ("q8", 16), ("q8", 32)]}
+
+
+def packed_model(formats: list[tuple[str, int]], seed: int = 0):
+    model = tiny_qwen(seed, layers=3)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    blocks = {}
+    for i, name in enumerate(linears):
+        n, k = model.get_submodule(name).weight.shape
+        kind, group = formats[i % len(formats)]
+        blocks[name] = random_packed(kind, n, k, seed=100 + i, group=group)
+    return apply_packed(model, blocks, int8_activations=True)
+
+
+def decode_steps(model, use_lean: bool, head=None) -> list[torch.Tensor]:
+    """Logits of a fixed script of decoder calls, with or without the lean forward."""
+    lean.attach(model)
+    if not use_lean:
+        model.lean_forward = None
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (9, 5, 7)]
+    decoder = CausalLMDecoder(model, VOCAB, 3, head=head)
+    out = []
+    with torch.inference_mode():
+        decoder.prefill(prompts)  # different lengths: prefilled one by one and merged
+        out.append(decoder.forward([[1, 2, 3], [4], []], 3))  # ragged
+        decoder.rollback([decoder.fed(0) - 2, decoder.fed(1), decoder.fed(2)])
+        out.append(decoder.forward([[5, 6], [7, 8], [9]], 2))
+        decoder.select([2, 0])
+        out.append(decoder.forward([[10], [11, 12, 13, 14]], 4))
+    return out
+
+
+@pytest.mark.parametrize("formats", FORMATS.values(), ids=FORMATS.keys())
+def test_the_lean_forward_gives_transformers_bits(formats):
+    model = packed_model(formats)
+    assert lean.supports(model)
+    fused = lean.LeanForward(model).layers[0]
+    assert (fused.qkv is not None and fused.gate_up is not None) == (len(formats) == 1)
+    expected = decode_steps(model, use_lean=False)
+    got = decode_steps(model, use_lean=True)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert e.shape == g.shape and torch.equal(e, g), f"call {i}: max |Δ| {float((e - g).abs().max())}"
+
+
+def test_the_reduced_draft_head_reads_the_lean_hidden_states():
+    model = packed_model(FORMATS["fused"])
+    head = subset_head(model, VOCAB, 40, {VOCAB - 1})
+    assert head is not None
+    expected = decode_steps(model, use_lean=False, head=head)
+    got = decode_steps(model, use_lean=True, head=head)
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert torch.isinf(got[0]).any()  # outside the subset: -inf, as the head defines
+
+
+def test_fused_layers_read_the_same_storage():
+    model = packed_model(FORMATS["fused"])
+    layer = model.model.layers[0]
+    before = layer.self_attn.k_proj.q.clone()
+    forward = lean.LeanForward(model)
+    k = layer.self_attn.k_proj
+    assert torch.equal(k.q, before)
+    assert k.q.untyped_storage().data_ptr() == forward.layers[0].qkv.q.untyped_storage().data_ptr()
+
+
+def test_models_it_would_not_reproduce_keep_transformers_forward():
+    dense = tiny_qwen(0)
+    assert not lean.supports(dense) and lean.attach(dense).lean_forward is None
+    windowed = packed_model(FORMATS["fused"])
+    windowed.config.use_sliding_window = True
+    assert not lean.supports(windowed)
+    assert all(isinstance(m, PackedLinear) for m in (windowed.model.layers[0].mlp.down_proj,))

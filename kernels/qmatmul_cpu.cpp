@@ -515,6 +515,19 @@ void specviz_q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, co
     else run(xp.data(), M, K, N, bias, y, nthreads, Q8Format<32>{q, scale, K});
 }
 
+// The instructions the 8-bit-activation kernels were built with (they compute the same bits either way).
+const char* specviz_isa() {
+#if defined(SPECVIZ_VNNI) && defined(__AVX512F__)
+    return "avx512-vnni";
+#elif defined(SPECVIZ_VNNI)
+    return "avx-vnni";
+#elif defined(SPECVIZ_AVX2)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
 int specviz_has_a8() {
 #ifdef SPECVIZ_AVX2
     return 1;

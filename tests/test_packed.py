@@ -29,13 +29,14 @@ from specviz.config import SamplingConfig, SpecConfig
 from specviz.models.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
 from specviz.models.loading import ModelPair
 from specviz.models.packed import PackedLinear, PackingError, apply_packed, describe
+from specviz.models.quant import q4_blocks, quantize_draft_q4
 from specviz.text.source import TextSource, prompt_sequences
 from specviz.figures.report import summary_markdown
 from specviz.runs.decode import run
 from specviz.traces.trace import TraceFormatError
 from specviz.traces.json_format import load_trace, loads_trace
 
-from conftest import VOCAB, tiny_qwen
+from conftest import VOCAB, decode, perturbed_copy, tiny_qwen
 from test_verify_statistics import FAMILY_ALPHA, POWER, Pair, gof_failure, probs_of, run_copies, samples_to_detect_tv
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernels")
@@ -194,6 +195,39 @@ def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
                 lib.specviz_q8a8_matmul(x.data_ptr(), m, 448, packed.q.data_ptr(), packed.scale.data_ptr(), group,
                                         37, bias.data_ptr(), theirs.data_ptr(), 2)
             assert torch.equal(ours, theirs), f"{kind} (group {group}), {m} rows: the builds differ"
+
+
+def test_the_4bit_draft_blocks_round_to_the_nearest_level_of_each_groups_range():
+    """q4_blocks as the kernels read it (their own dequantization): every weight within half a step of its
+    group's scale, each group's minimum and maximum exact up to fp32 rounding, a constant group exact."""
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(24, 256, generator=g) * torch.rand(24, 1, generator=g)
+    weight[3, 32:64] = 0.25  # a constant group: scale 0
+    packed = q4_blocks(weight)
+    dense = cpu_kernels.q4_dequant(packed.q, packed.scale, packed.minv)
+    step = packed.scale.repeat_interleave(32, dim=1)
+    assert ((dense - weight).abs() <= step / 2 * (1 + 1e-4) + 1e-7).all()
+    groups = lambda t: t.reshape(24, 8, 32)
+    torch.testing.assert_close(groups(dense).amin(-1), groups(weight).amin(-1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(groups(dense).amax(-1), groups(weight).amax(-1), rtol=1e-5, atol=1e-6)
+    assert torch.equal(dense[3, 32:64], weight[3, 32:64])
+
+
+@A8
+def test_a_4bit_draft_with_a_reduced_head_keeps_greedy_output_equal_to_target_only(tokenizer, batch_prompts):
+    """The CPU's default draft: re-quantized to 4 bits (quantize_draft_q4), run by the lean forward, its
+    head reduced to a subset; greedy speculative decoding still gives the target's own output."""
+    target = tiny_qwen(0)
+    # the draft from a twin of its own (a config of its own: packing one model switches its config's attention)
+    draft = lean.attach(quantize_draft_q4(perturbed_copy(tiny_qwen(0), 0.05, seed=3)))
+    assert draft.lean_forward is not None
+    pair = ModelPair(draft, target, tokenizer, "tiny-draft (4-bit)", "tiny-target", VOCAB, describe(draft))
+    cfg = SpecConfig(mode="exact", gamma_policy="constant", gamma_init=4, max_new_tokens=24, draft_vocab=VOCAB // 2)
+    reference = decode(pair, batch_prompts, cfg, target_only=True)
+    trace = decode(pair, batch_prompts, cfg)
+    assert trace.outputs == reference.outputs
+    assert trace.meta["draft_vocab_size"] < VOCAB
+    assert trace.alpha_estimate() > 0.1, "the 4-bit draft should still agree with its target now and then"
 
 
 def packed_twin(model: nn.Module, seed: int, like: dict[str, Packed] | None = None, int8_activations: bool = False

@@ -52,7 +52,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     grid = make_grid(Settings.from_args(args), modes=args.modes, policies=args.policies, sigmoid=_ranges(args.sigmoid_scales),
                      temperatures=args.temperatures, seeds=args.seeds, file=args.grid)
     cells = grid.cells(examples)
-    models = Models(task, args.draft, args.target, args.device, args.dtype, args.weights, args.draft_int8)
+    models = Models(task, args.draft, args.target, args.device, args.dtype, args.weights, args.quantized_draft)
     results = ResultsFile(args.results)
     where = describe(data, examples=examples)
     workers = args.workers or (2 if args.ray or args.address else 1)
@@ -126,7 +126,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
     m.add_argument("--weights", default="auto", choices=WEIGHTS)
     m.add_argument("--device", default=None)
-    m.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--quantized-draft", action=argparse.BooleanOptionalAction, default=None)
     add_flags(m, ["draft_kind", "draft_vocab", "lookup_ngram", "lenience", "draft_confidence", "top_k", "top_p",
                   "verify_backend"])
     e.set_defaults(func=cmd_eval)

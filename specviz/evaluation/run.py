@@ -36,7 +36,7 @@ class Models:
     device: str | None = None
     dtype: str | None = None
     weights: str = "auto"
-    draft_int8: bool | None = None
+    quantized_draft: bool | None = None
 
     @property
     def name(self) -> str:
@@ -45,7 +45,7 @@ class Models:
 
 def load_models(models: Models):
     return task_of(models.task).load_pair(models.draft, models.target, device=models.device, dtype=models.dtype,
-                                          draft_int8=models.draft_int8, weights=models.weights)
+                                          quantized_draft=models.quantized_draft, weights=models.weights)
 
 
 class CellRunner:

@@ -107,6 +107,7 @@ def library() -> ctypes.CDLL:
             functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul]
         for f in functions:
             f.restype = None
+        lib.specviz_isa.restype = ctypes.c_char_p
         _max_rows = lib.specviz_max_rows()
         _library = lib
         return lib
@@ -129,6 +130,11 @@ def max_rows() -> int:
 def vectorized() -> bool:
     """Whether the build has the AVX2/FMA path (else the portable scalar one)."""
     return bool(library().specviz_has_avx2())
+
+
+def isa() -> str:
+    """The instruction set the kernels were built for here: avx512-vnni, avx-vnni, avx2 or portable."""
+    return library().specviz_isa().decode()
 
 
 def has_int8_activations() -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specviz.models import cpu_kernels, hub
@@ -34,7 +35,7 @@ from specviz.models.errors import ModelLoadError
 from specviz.models import lean
 from specviz.models.packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current, save_packed)
 from specviz.models.prompt_cache import PromptCache
-from specviz.models.quant import quantize_draft_int8
+from specviz.models.quant import quantize_draft_int8, quantize_draft_q4
 
 # progress(message, fraction in [0, 1] or None when the stage has no measurable length)
 Progress = Callable[[str, "float | None"], None]
@@ -310,6 +311,13 @@ def load_model(
     return model, tokenizer, label
 
 
+def _q4_draft_runs(model: nn.Module) -> bool:
+    """Whether `model` can run as a 4-bit draft here: the kernels (8-bit activations, the batch-invariant
+    attention) build, and every linear layer's input width is a multiple of the q4 blocks' 64."""
+    return (cpu_kernels.available() and cpu_kernels.has_int8_activations() and cpu_kernels.has_attention()
+            and all(m.in_features % 64 == 0 for m in model.modules() if isinstance(m, nn.Linear)))
+
+
 def check_vocabularies(
     draft_tok: PreTrainedTokenizerBase,
     target_tok: PreTrainedTokenizerBase,
@@ -344,29 +352,37 @@ def load_pair(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
-    draft_int8: bool | None = None,
+    quantized_draft: bool | None = None,
     weights: str = "auto",
     progress: Progress = _silent,
 ) -> ModelPair:
     """Load and check a draft/target pair. Defaults: the embedded Qwen pair, CUDA when present, bf16 on CUDA
     and fp32 on the CPU; on the CPU the target runs on its packed GGUF blocks (weights="auto") and the draft
-    with int8 weights (draft_int8=None means: int8 exactly on the CPU; False: the draft follows `weights`).
+    quantized (quantized_draft=None means: quantized exactly on the CPU; False: the draft follows `weights`):
+    re-quantized to 4 bits per weight for specviz's kernels where they build with AVX2 (fp32 models), else
+    int8 weights (dynamic quantization). Only the target's weights decide the output distribution; the draft's decide
+    how much of it is accepted and how fast it is proposed.
 
     fp32 on the CPU because this class of CPU has no fast bf16 matrix multiply: a bf16 forward over many
     tokens (prefill, and verification of γ + 1 drafts) took 2-3× longer than fp32 (docs/benchmarks.md); the
     embedded weights are dequantized to fp32 exactly anyway, so fp32 is also the unrounded target."""
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype) if dtype is not None else (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    if draft_int8 is None:
-        draft_int8 = device.type == "cpu"
-    if draft_int8 and device.type != "cpu":
-        raise ValueError("the int8 draft runs on the CPU only")
-    # the int8 draft starts from dense weights: its step (53 ms) beats the packed one (76 ms) on the CPUs
-    # measured (docs/benchmarks.md), and only the target's weights decide the output distribution
+    if quantized_draft is None:
+        quantized_draft = device.type == "cpu"
+    if quantized_draft and device.type != "cpu":
+        raise ValueError("the quantized draft runs on the CPU only")
     d_model, d_tok, d_name = load_model(draft, "draft", device=device, dtype=dtype,
-                                        weights="dense" if draft_int8 else weights, progress=progress)
+                                        weights="dense" if quantized_draft else weights, progress=progress)
     d_weights = describe(d_model)
-    if draft_int8:
+    if quantized_draft and dtype == torch.float32 and _q4_draft_runs(d_model):
+        # measured on a 2-core EPYC: a 21.7 ms step where int8 (fbgemm) took 33.9 and the GGUF's own blocks
+        # (mostly Q5_0/Q8_0: 896 columns are no multiple of K-quants' 256) 33.8 (docs/benchmarks.md)
+        progress("re-quantizing the draft to 4 bits", None)
+        d_model = lean.attach(quantize_draft_q4(d_model))
+        d_name += " (4-bit)"
+        d_weights = describe(d_model)
+    elif quantized_draft:
         progress("quantizing the draft to int8", None)
         d_model = quantize_draft_int8(d_model)
         d_name += " (int8)"

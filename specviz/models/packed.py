@@ -240,13 +240,15 @@ def apply_packed(model: nn.Module, packed: dict[str, Packed], int8_activations: 
 
 
 def describe(model: nn.Module) -> str:
-    """What the model's linear layers run on, e.g. 'GGUF Q4_K/Q6_K blocks, specviz avx2 kernel'."""
+    """What the model's linear layers run on, e.g. 'GGUF Q4_K/Q6_K blocks, specviz avx512-vnni kernel, ...'."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not layers:
         return f"dense {str(next(model.parameters()).dtype).removeprefix('torch.')}"
     sources = sorted({m.source for m in layers})
-    isa = "avx2" if cpu_kernels.vectorized() else "portable"
+    isa = cpu_kernels.isa()
     activations = "int8 activations (per row, groups of 32)" if layers[0].int8_activations else "fp32 activations"
     attention = "batch-invariant attention" if model.config._attn_implementation == cpu_attention.NAME else \
         f"{model.config._attn_implementation} attention"
-    return f"GGUF {'/'.join(sources)} blocks, specviz {isa} kernel, {activations}, {attention}"
+    blocks = f"GGUF {'/'.join(sources)} blocks" if all("specviz" not in s for s in sources) else \
+        f"{'/'.join(sources)} blocks"  # a draft re-quantized by specviz.models.quant
+    return f"{blocks}, specviz {isa} kernel, {activations}, {attention}"

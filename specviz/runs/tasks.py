@@ -65,9 +65,9 @@ class Task:
         return Path(source_input).name if self.input_is_file else source_input
 
     def load_pair(self, draft: str = DEFAULT, target: str = DEFAULT, *, device: Any = None, dtype: Any = None,
-                  draft_int8: bool | None = None, weights: str = "auto", progress: Progress = _silent) -> Any:
+                  quantized_draft: bool | None = None, weights: str = "auto", progress: Progress = _silent) -> Any:
         """The draft/target pair, with the task's loader and its dtype default."""
-        return self._load(draft, target, device=device, dtype=dtype, draft_int8=draft_int8, weights=weights,
+        return self._load(draft, target, device=device, dtype=dtype, quantized_draft=quantized_draft, weights=weights,
                           progress=progress)
 
     def source(self, pair: Any, inputs: Sequence[tuple[str, Any]], cfg: SpecConfig, sequences: int = 1,

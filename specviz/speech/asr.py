@@ -117,29 +117,29 @@ def load_speech_pair(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
-    draft_int8: bool | None = None,
+    quantized_draft: bool | None = None,
     progress: Progress = _silent,
 ) -> SpeechPair:
     """target: 'default' (embedded Whisper base), a hub id or a directory. draft: 'default' (the target's
-    layers DEFAULT_DRAFT_LAYERS), 'layers:i,j,...', or another Whisper (hub id or directory). draft_int8:
+    layers DEFAULT_DRAFT_LAYERS), 'layers:i,j,...', or another Whisper (hub id or directory). quantized_draft:
     int8 draft weights (None: exactly when the models run on the CPU; needs an fp32 target there)."""
     t_model, processor = load_whisper(target, device=device, dtype=dtype, progress=progress)
     t_name = "whisper-base" if target == DEFAULT else target
-    if draft_int8 is None:
-        draft_int8 = t_model.device.type == "cpu" and t_model.dtype == torch.float32
-    if draft_int8 and (t_model.device.type != "cpu" or t_model.dtype != torch.float32):
+    if quantized_draft is None:
+        quantized_draft = t_model.device.type == "cpu" and t_model.dtype == torch.float32
+    if quantized_draft and (t_model.device.type != "cpu" or t_model.dtype != torch.float32):
         raise ModelLoadError("the int8 speech draft runs on the CPU beside an fp32 target only")
-    suffix = " (int8)" if draft_int8 else ""
+    suffix = " (int8)" if quantized_draft else ""
     if draft == DEFAULT or draft.startswith("layers:"):
         layers = DEFAULT_DRAFT_LAYERS if draft == DEFAULT else parse_layers(draft)
         try:
-            d_model = (int8_layer_draft if draft_int8 else layer_draft)(t_model, layers)
+            d_model = (int8_layer_draft if quantized_draft else layer_draft)(t_model, layers)
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
         return SpeechPair(t_model, d_model, processor, t_name, f"{t_name} decoder layers {list(layers)}{suffix}")
     d_model, d_proc = load_whisper(draft, device=t_model.device, dtype=t_model.dtype, progress=progress)
     check_speech_pair(d_model, d_proc, t_model, processor, draft, t_name)
-    if draft_int8:
+    if quantized_draft:
         d_model = quantize_draft_int8(d_model)
     return SpeechPair(t_model, d_model, processor, t_name, draft + suffix)
 

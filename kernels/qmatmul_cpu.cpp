@@ -316,12 +316,14 @@ void quantize(const float* x, int64_t M, int64_t K, bool q4_order, int nthreads,
 // with VNNI computes the same bits as one without.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPECVIZ_VNNI 1
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
 inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
 }
 #elif defined(__AVXVNNI__)
 #define SPECVIZ_VNNI 1
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
 inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
     return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
@@ -331,6 +333,7 @@ inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
 inline __m256i dot4(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi32(acc, dot4(u, s)); }
 // q4's |15 · 127| · 2 per pair and two pairs summed: 7,620, inside int16
 inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
@@ -514,6 +517,43 @@ void specviz_q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, co
     if (group == 16) run(xp.data(), M, K, N, bias, y, nthreads, Q8Format<16>{q, scale, K});
     else run(xp.data(), M, K, N, bias, y, nthreads, Q8Format<32>{q, scale, K});
 }
+
+#ifdef SPECVIZ_AVX2
+// The int8 peak of the dot-product sequence the kernels use (vpdpbusd, or vpmaddubsw + vpmaddwd + add),
+// operands in registers, 8 independent accumulators per thread: what no matmul here can exceed. Returns the
+// multiply-adds done (time the call to get a rate).
+double specviz_int8_peak(int64_t iters, int nthreads) {
+    int64_t sink = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : sink)
+    {
+        // eight named accumulators and operands (an array would live on the stack)
+        const __m256i x = _mm256_set1_epi8(3);
+        const char t = static_cast<char>(omp_get_thread_num());
+        __m256i u0 = _mm256_set1_epi8(t + 1), u1 = _mm256_set1_epi8(t + 2), u2 = _mm256_set1_epi8(t + 3),
+                u3 = _mm256_set1_epi8(t + 4), u4 = _mm256_set1_epi8(t + 5), u5 = _mm256_set1_epi8(t + 6),
+                u6 = _mm256_set1_epi8(t + 7), u7 = _mm256_set1_epi8(t + 8);
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t i = 0; i < iters; ++i) {
+            // the operands "change": the products can be neither hoisted out of the loop nor shared
+            asm volatile("" : "+x"(u0), "+x"(u1), "+x"(u2), "+x"(u3), "+x"(u4), "+x"(u5), "+x"(u6), "+x"(u7));
+            a0 = dot4_add(a0, u0, x);
+            a1 = dot4_add(a1, u1, x);
+            a2 = dot4_add(a2, u2, x);
+            a3 = dot4_add(a3, u3, x);
+            a4 = dot4_add(a4, u4, x);
+            a5 = dot4_add(a5, u5, x);
+            a6 = dot4_add(a6, u6, x);
+            a7 = dot4_add(a7, u7, x);
+        }
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
+                                               _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
+        sink += _mm256_extract_epi32(total, 0);
+    }
+    static volatile int64_t keep;
+    keep = sink;
+    return static_cast<double>(iters) * 8 * 32 * nthreads;
+}
+#endif
 
 // The instructions the 8-bit-activation kernels were built with (they compute the same bits either way).
 const char* specviz_isa() {

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specviz.bench.measure import _median_us
+from specviz.bench.roofline import linear_modules, linear_time
 from specviz.models.packed import PackedLinear
 from specviz.text.source import CausalLMDecoder
 
@@ -22,7 +23,8 @@ _INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear  # the int8 draft's layers (
 @torch.inference_mode()
 def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: int = 5,
                warmup: int = 2) -> dict:
-    """{"prefill_s": seconds for the prompt, "steps": [{"tokens": M, "seconds": median, "ratio": to M = 1}]}."""
+    """{"prefill_s": seconds for the prompt, "steps": [{"tokens": M, "seconds": median, "ratio": to M = 1,
+    "linear_share": the fraction of a step inside the linear layers}]}."""
     decoder = CausalLMDecoder(model, vocab, 1)
     t0 = time.perf_counter()
     decoder.prefill([prompt])
@@ -35,21 +37,23 @@ def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: 
         def step(m=m):
             decoder.forward([feed[:m]], m)
             decoder.rollback([fed])
-        rows.append({"tokens": m, "seconds": _median_us(step, warmup, repeat) / 1e6})
+        seconds = _median_us(step, warmup, repeat) / 1e6
+        with linear_time(model) as linear:  # a second pass, hooked: how much of a step the matmuls take
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                step()
+            hooked = time.perf_counter() - t0
+        rows.append({"tokens": m, "seconds": seconds, "linear_share": linear[0] / hooked})
     base = next((r["seconds"] for r in rows if r["tokens"] == 1), rows[0]["seconds"])
     for r in rows:
         r["ratio"] = r["seconds"] / base
     return {"prefill_s": prefill_s, "prompt_tokens": len(prompt), "steps": rows}
 
 
-def _linears(model) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (PackedLinear, nn.Linear, _INT8_LINEAR))]
-
-
 def weight_bytes(model) -> int:
     """Bytes of linear-layer weights one step reads (packed blocks and scales, or dense/int8 tensors)."""
     total = 0
-    for m in _linears(model):
+    for m in _own_linears(model):
         if isinstance(m, PackedLinear):
             total += m.packed().nbytes
         elif isinstance(m, _INT8_LINEAR):
@@ -61,4 +65,11 @@ def weight_bytes(model) -> int:
 
 def linear_params(model) -> int:
     """Multiply-adds per token in linear layers (the output head counted once per scored token)."""
-    return sum(m.in_features * m.out_features for m in _linears(model))
+    return sum(m.in_features * m.out_features for m in _own_linears(model))
+
+
+def _own_linears(model) -> list[nn.Module]:
+    """The model's linear layers (not the lean forward's fused copies: those hold views of the same weights)."""
+    lean = getattr(model, "lean_forward", None)
+    fused = set() if lean is None else {id(m) for layer in lean.layers for m in (layer.qkv, layer.gate_up)}
+    return [m for m in linear_modules(model) if id(m) not in fused]

@@ -91,26 +91,36 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_steps(args: argparse.Namespace) -> int:
-    """One model call's cost by weights format: prefill, and a step scoring M tokens (docs/benchmarks.md)."""
+    """One model call's cost by weights format: prefill, and a step scoring M tokens, against this machine's
+    read bandwidth and int8 peak (docs/benchmarks.md, "Roofline")."""
     import torch
 
+    from specviz.bench.roofline import int8_peak, read_bandwidth
     from specviz.bench.steps import linear_params, step_costs, weight_bytes
+    from specviz.models import lean
+    from specviz.models.cpu_kernels import isa
     from specviz.models.loading import load_model, parse_dtype
+    from specviz.models.quant import quantize_draft_int8, quantize_draft_q4
     from specviz.text.prompts import max_prompt_tokens, summarization_prompt
-    from specviz.models.quant import quantize_draft_int8
 
     article = common.articles(args)[0][1]
     device = torch.device(args.device or "cpu")
     variants = [(role, w) for role in ("target", "draft") for w in args.weights_list]
+    if "packed-a8" in args.weights_list:
+        variants.append(("draft", "4-bit"))  # the CPU's default draft (models/quant.py)
     if "dense" in args.weights_list:
         variants.append(("draft", "dense int8"))
+    bandwidth, peak = read_bandwidth(), int8_peak()
     rows = []
     for role, weights in tqdm(variants, desc="bench-steps", unit="model", file=sys.stderr):
         name = args.target if role == "target" else args.draft
+        base = "dense" if weights in ("4-bit", "dense int8") else weights
         model, tokenizer, label = load_model(name, role, device=device, dtype=parse_dtype(args.dtype or "fp32"),
-                                             weights=weights.split()[0])
+                                             weights=base)
         if weights == "dense int8":
             model = quantize_draft_int8(model)
+        elif weights == "4-bit":
+            model = lean.attach(quantize_draft_q4(model))
         prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))
         costs = step_costs(model, model.config.vocab_size, prompt[:-1], args.tokens, repeat=args.repeat)
         rows.append({"role": role, "model": label, "weights": weights, "bytes_per_step": weight_bytes(model),
@@ -122,9 +132,22 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
         cells = " ".join(f"{1e3 * s['seconds']:6.0f}" + (f" {s['ratio']:.1f}×" if s['tokens'] != 1 else "   ")
                          for s in r["steps"])
         print(f"{r['role']:6s} {r['weights']:11s} {r['bytes_per_step'] / 1e9:7.2f} {r['prefill_s']:9.2f} {cells}")
+    peak_words = f"int8 peak {peak / 1e9:.0f} GMAC/s ({isa()} dot products in registers)" if peak else "no int8 kernels"
+    print(f"\nroofline: read bandwidth {bandwidth / 1e9:.1f} GB/s (a 1 GiB sum), {peak_words}")
+    print(f"{'role':6s} {'weights':11s} {'M':>3s} {'ms':>6s} {'GB/s':>6s} {'of bw':>6s} {'GMAC/s':>7s} {'of peak':>7s} "
+          f"{'in linear layers':>16s}")
+    for r in rows:
+        for s in r["steps"]:
+            s["read_GBps"] = r["bytes_per_step"] / s["seconds"] / 1e9
+            s["GMACps"] = r["linear_macs_per_token"] * s["tokens"] / s["seconds"] / 1e9
+            of_peak = f"{s['GMACps'] * 1e9 / peak:7.0%}" if peak else f"{'-':>7s}"
+            print(f"{r['role']:6s} {r['weights']:11s} {s['tokens']:3d} {1e3 * s['seconds']:6.1f} {s['read_GBps']:6.1f} "
+                  f"{s['read_GBps'] * 1e9 / bandwidth:6.0%} {s['GMACps']:7.1f} {of_peak} {s['linear_share']:16.0%}")
     print(f"\n{machine.describe()}; prompt {rows[0]['prompt_tokens']} tokens; median of {args.repeat} after 2 warm-ups")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine.describe(), "repeat": args.repeat,
+                                               "read_bandwidth_Bps": bandwidth, "int8_peak_MACps": peak,
+                                               "isa": isa(),
                                                "statistic": "median seconds per call after 2 warm-up calls",
                                                "rows": rows}, indent=2))
         print(f"results written to {args.json}", file=sys.stderr)

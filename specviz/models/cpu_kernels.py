@@ -102,6 +102,8 @@ def library() -> ctypes.CDLL:
                                               ptr, cint]
             functions.append(lib.specviz_attention)
         if lib.specviz_has_a8():
+            lib.specviz_int8_peak.argtypes = [i64, cint]
+            lib.specviz_int8_peak.restype = ctypes.c_double
             lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
             lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
             functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul]
@@ -140,6 +142,12 @@ def isa() -> str:
 def has_int8_activations() -> bool:
     """Whether the build has the 8-bit-activation kernels (they need AVX2)."""
     return bool(library().specviz_has_a8())
+
+
+def int8_peak_macs(iterations: int) -> float:
+    """Runs the int8 dot-product sequence the kernels use with operands in registers, on torch's threads;
+    returns the multiply-adds done (time the call for the peak rate). Where has_int8_activations() only."""
+    return library().specviz_int8_peak(iterations, torch.get_num_threads())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,0 +1,76 @@
+"""The two ceilings a CPU step is measured against (docs/benchmarks.md, "Roofline"): how fast this machine
+reads memory, and how many int8 multiply-adds per second the kernels' dot-product instructions can do; and
+how much of a step its linear layers take (the rest is norms, rotary, attention and Python)."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from specviz.models import cpu_kernels
+from specviz.models.packed import PackedLinear
+
+_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
+
+
+def read_bandwidth(gib: float = 1.0, repeat: int = 5) -> float:
+    """Bytes per second torch's threads read summing a `gib` GiB fp32 tensor (far beyond any cache), median of
+    `repeat` after one warm-up: the floor under a weight-bound step is its bytes over this."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def int8_peak(repeat: int = 3, iterations: int = 10**7) -> float | None:
+    """Multiply-adds per second of the kernels' int8 dot products, operands in registers, on torch's threads
+    (median of `repeat` after one warm-up); None where the kernels have no 8-bit path."""
+    if not (cpu_kernels.available() and cpu_kernels.has_int8_activations()):
+        return None
+    cpu_kernels.int8_peak_macs(iterations // 10)
+    rates = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        macs = cpu_kernels.int8_peak_macs(iterations)
+        rates.append(macs / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def linear_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's linear layers, and the fused ones its lean forward calls instead (models/lean.py)."""
+    kinds = (PackedLinear, nn.Linear, _INT8_LINEAR)
+    found = [m for m in model.modules() if isinstance(m, kinds)]
+    lean = getattr(model, "lean_forward", None)
+    if lean is not None:
+        found += [m for layer in lean.layers for m in (layer.qkv, layer.gate_up) if m is not None]
+    return found
+
+
+@contextlib.contextmanager
+def linear_time(model: nn.Module) -> Iterator[list[float]]:
+    """Within the block, seconds spent inside the model's linear layers accumulate in the yielded [total]."""
+    total = [0.0]
+    started: dict[int, float] = {}
+
+    def before(module, args):
+        started[id(module)] = time.perf_counter()
+
+    def after(module, args, output):
+        total[0] += time.perf_counter() - started.pop(id(module))
+
+    handles = [h for m in linear_modules(model)
+               for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        yield total
+    finally:
+        for h in handles:
+            h.remove()

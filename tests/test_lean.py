@@ -92,3 +92,29 @@ def test_models_it_would_not_reproduce_keep_transformers_forward():
     windowed.config.use_sliding_window = True
     assert not lean.supports(windowed)
     assert all(isinstance(m, PackedLinear) for m in (windowed.model.layers[0].mlp.down_proj,))
+
+
+def test_the_arena_holds_aligned_copies_and_refuses_to_overflow():
+    from specviz.models.arena import ALIGN, Arena, footprint
+
+    parts = [torch.randn(7, 3), torch.randint(0, 255, (100,), dtype=torch.uint8), torch.randn(5)]
+    arena = Arena(footprint(parts))
+    placed = [arena.place(t) for t in parts]
+    for t, p in zip(parts, placed):
+        assert torch.equal(t, p) and p.is_contiguous() and p.data_ptr() % ALIGN == 0
+        assert p.data_ptr() != t.data_ptr()
+    with pytest.raises(ValueError, match="full"):
+        arena.place(torch.zeros(1))
+
+
+def test_the_lean_forward_moves_every_packed_weight_into_one_arena():
+    from specviz.models.arena import footprint
+
+    model = packed_model(FORMATS["unfused"])
+    tensors = lambda: [t for m in model.modules() if isinstance(m, PackedLinear)
+                       for t in (m.q, m.scale, m.minv, m.bias) if t is not None]
+    size = footprint(tensors())
+    forward = lean.LeanForward(model)
+    starts = [t.data_ptr() for t in tensors()]
+    assert max(starts) - min(starts) < size  # side by side in one block of exactly their size
+    assert forward.layers[0].qkv is None  # q/k/v in different formats: not fused, moved as they are

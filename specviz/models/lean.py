@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from specviz.models import cpu_attention, cpu_kernels
+from specviz.models.arena import Arena, footprint
 from specviz.models.packed import PackedLinear, fuse
 
 _FAMILIES = ("qwen2", "llama")  # decoder layers of exactly this shape (q/k/v/o, gate/up/down, two RMS norms)
@@ -63,14 +64,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Layer:
-    """One decoder layer's weights: fused projections where the formats allow, else the layer's own."""
+    """One decoder layer's weights: fused projections where the formats allow, else the layer's own; every
+    packed tensor placed by `place`."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, place):
         q, k, v, self.o = _attention_linears(layer)
         gate, up, self.down = _mlp_linears(layer)
-        self.qkv = fuse([q, k, v])  # one module, or None where q/k/v differ in format
+        self.qkv = fuse([q, k, v], place)  # one module, or None where q/k/v differ in format
         self.q, self.k, self.v = q, k, v
-        self.gate_up = fuse([gate, up])
+        self.gate_up = fuse([gate, up], place)
+        for group, fused in (((q, k, v), self.qkv), ((gate, up), self.gate_up)):
+            if fused is None:
+                for m in group:
+                    m.relocate(place)
+        for m in (self.o, self.down):
+            m.relocate(place)
         self.gate, self.up = gate, up
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
@@ -93,15 +101,20 @@ class _Layer:
 class LeanForward:
     """The forward of one supported model (see `supports`). Holds references to the model's own weights,
     fused projections besides (their packed rows are copied once; the model's layers then read views of
-    them, so memory does not double). Read-only after construction: one instance serves any number of
-    decoders and threads."""
+    them, so memory does not double). Every packed tensor moves into one arena of 2 MB pages
+    (models/arena.py). Read-only after construction: one instance serves any number of decoders and threads."""
 
     def __init__(self, model: nn.Module):
         cfg = model.config
         self.model = model
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        arena = Arena(footprint([t for m in packed for t in (getattr(m, n) for n in PackedLinear.BUFFERS)
+                                 if t is not None]))
         self.embed = model.model.embed_tokens.weight
         self.rotary = model.model.rotary_emb
-        self.layers = [_Layer(layer) for layer in model.model.layers]
+        self.layers = [_Layer(layer, arena.place) for layer in model.model.layers]
+        if isinstance(model.lm_head, PackedLinear):
+            model.lm_head.relocate(arena.place)
         self.norm, self.eps = model.model.norm.weight, model.model.norm.variance_epsilon
         self.head = model.lm_head
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads

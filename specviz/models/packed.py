@@ -80,6 +80,14 @@ class PackedLinear(nn.Module):
             y = torch.cat([self._matmul(rows[i:i + step]) for i in range(0, rows.shape[0], step)])
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    BUFFERS = ("q", "scale", "minv", "bias")
+
+    def relocate(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Move the weight's tensors to where `place` puts them (models/arena.py)."""
+        for name in self.BUFFERS:
+            if getattr(self, name) is not None:
+                setattr(self, name, place(getattr(self, name)))
+
     def select_rows(self, ids: torch.Tensor) -> "PackedLinear":
         """A PackedLinear computing only outputs `ids` (LongTensor [K]); the rows keep their own scales."""
         sub = Packed(self.kind, self.q.index_select(0, ids), self.scale.index_select(0, ids),
@@ -92,11 +100,13 @@ class PackedLinear(nn.Module):
                 f"{activations} activations")
 
 
-def fuse(layers: list[PackedLinear]) -> PackedLinear | None:
+def fuse(layers: list[PackedLinear], place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+         ) -> PackedLinear | None:
     """One PackedLinear computing the outputs of `layers` side by side (their rows concatenated), or None
     when they differ in format (kind, scale groups, activations, bias or not). The kernels compute every
     output column alone, so the fused layer's outputs are the same bits as each layer's own. The layers
-    then hold views of the fused tensors: they keep working, and the weights are stored once."""
+    then hold views of the fused tensors: they keep working, and the weights are stored once. `place` puts
+    each fused tensor where it should live (models/arena.py)."""
     first = layers[0]
     same = all(m.kind == first.kind and m.in_features == first.in_features
                and m.int8_activations == first.int8_activations and m.scale.shape[1] == first.scale.shape[1]
@@ -106,7 +116,7 @@ def fuse(layers: list[PackedLinear]) -> PackedLinear | None:
         return None
 
     def cat(name: str) -> torch.Tensor | None:
-        return None if getattr(first, name) is None else torch.cat([getattr(m, name) for m in layers])
+        return None if getattr(first, name) is None else place(torch.cat([getattr(m, name) for m in layers]))
 
     source = "+".join(sorted({m.source for m in layers}))
     fused = PackedLinear(Packed(first.kind, cat("q"), cat("scale"), cat("minv"), source), cat("bias"),
@@ -114,7 +124,7 @@ def fuse(layers: list[PackedLinear]) -> PackedLinear | None:
     start = 0
     for m in layers:
         rows = slice(start, start + m.out_features)
-        for name in ("q", "scale", "minv", "bias"):
+        for name in PackedLinear.BUFFERS:
             if getattr(fused, name) is not None:
                 setattr(m, name, getattr(fused, name)[rows])
         start += m.out_features

@@ -30,6 +30,23 @@ inline float lanes_sum(__m256 v) {  // a fixed-order reduction of 8 lanes
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
+// lanes_sum of eight vectors at once, as one vector [sum(v[0]), ..., sum(v[7])]: the same additions in the
+// same pairing, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so each the same bits as lanes_sum.
+inline __m256 lanes_sum8(const __m256* v) {
+    __m256 h[4];  // h[p]: lanes 0-3 = v[2p]'s l_k + l_k+4, lanes 4-7 = v[2p + 1]'s
+    for (int p = 0; p < 4; ++p)
+        h[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+    __m256 u[2];  // u[p], per 128-bit half: [x(l0+l4 + l2+l6), x(l1+l5 + l3+l7), y(...), y(...)]
+    for (int p = 0; p < 2; ++p)
+        u[p] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * p], h[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(h[2 * p], h[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // low half: sums of v0, v2, v4, v6; high half: v1, v3, v5, v7
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // e^x for x <= 0 (scores minus their maximum), Cephes' single-precision method: x = n ln2 + r, e^r by a
 // degree-6 polynomial, 2^n in the exponent bits. Plain arithmetic, so the same bits on every call.
 inline __m256 exp_nonpositive(__m256 x) {
@@ -57,8 +74,22 @@ void row(const float* q, const float* k, const float* v, const int32_t* keys, in
     for (int64_t g = 0; g < G; ++g) {
         const float* qi = q + ((b * H + h0 + g) * L + i) * D;
         float* s = scores + g * padded;
-        for (int64_t t = 0; t < n; ++t) {
-            const float* kj = k + ((b * Hkv + kh) * Sk + keys[t]) * D;
+        const float* kbase = k + (b * Hkv + kh) * Sk * D;
+        int64_t t = 0;
+        // eight keys at a time: eight independent chains of FMAs instead of one waiting on the last, and their
+        // eight reductions done side by side in the same pairing as lanes_sum (each key's sum runs over d in
+        // the same order and its lanes add up in the same order either way: the same bits)
+        for (; t + 8 <= n; t += 8) {
+            __m256 a[8];
+            for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 x = _mm256_loadu_ps(qi + d);
+                for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kbase + keys[t + c] * D + d), a[c]);
+            }
+            _mm256_storeu_ps(s + t, _mm256_mul_ps(lanes_sum8(a), _mm256_set1_ps(scale)));
+        }
+        for (; t < n; ++t) {
+            const float* kj = kbase + keys[t] * D;
             __m256 acc = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kj + d), acc);
             s[t] = lanes_sum(acc) * scale;
@@ -79,10 +110,24 @@ void row(const float* q, const float* k, const float* v, const int32_t* keys, in
         }
         const float inv = 1.0f / lanes_sum(total);
         float* o = out + ((b * L + i) * H + h0 + g) * D;
-        for (int64_t d = 0; d < D; d += 8) {
+        const float* vbase = v + (b * Hkv + kh) * Sk * D;
+        int64_t d0 = 0;
+        // eight 8-wide slices of the output at a time, keys in the outer loop: eight chains instead of one, each
+        // slice summed over the keys in the same order as alone (the same bits)
+        for (; d0 + 64 <= D; d0 += 64) {
+            __m256 acc[8];
+            for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; ++t) {
+                const __m256 w = _mm256_set1_ps(s[t]);
+                const float* vj = vbase + keys[t] * D + d0;
+                for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+            }
+            for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+        }
+        for (int64_t d = d0; d < D; d += 8) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; ++t)
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), _mm256_loadu_ps(v + ((b * Hkv + kh) * Sk + keys[t]) * D + d), acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[t]), _mm256_loadu_ps(vbase + keys[t] * D + d), acc);
             _mm256_storeu_ps(o + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
         }
     }

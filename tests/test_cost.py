@@ -4,6 +4,7 @@ mixes plain and speculative steps by chi-square goodness of fit), calibration's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -21,6 +22,7 @@ from specviz.decoding.cost import CostModel
 from specviz.decoding.expectation import best_gamma, break_even_alpha, expected_speedup, speedups
 from specviz.decoding.gamma import CostAware, Feedback
 from specviz.models.loading import ModelPair
+from specviz.models.prompt_cache import PromptCache
 from specviz.decoding.records import BONUS, RESAMPLED, TARGET
 from specviz.runs.decode import run
 from specviz.text.source import TextSource, prompt_sequences
@@ -285,12 +287,17 @@ def test_greedy_with_plain_steps_in_the_mix_equals_target_only(tiny_pair, prompt
     assert loads_trace(json.dumps(batched.to_dict())).outputs == batched.outputs  # γ = 0 steps load back
 
 
-def test_cost_policy_on_a_draft_as_costly_as_its_target(tiny_pair, prompt_ids):
-    """The tiny draft is a copy of the tiny target: drafting cannot pay, so the policy steps plainly (with
-    probes) and its greedy output is target-only's; the trace keeps the measured cost table."""
+def test_cost_policy_on_a_draft_costlier_than_its_target(tiny_pair, prompt_ids):
+    """A draft with four times its target's layers (and so, on tiny models where a call's fixed costs
+    dominate, a step dearer than the target scoring several tokens): drafting cannot pay, so the policy steps
+    plainly (with probes) and its greedy output is target-only's; the trace keeps the measured cost table.
+    (A copy of the target as the draft costs about what it saves, and the policy's choice then follows the
+    machine's noise.)"""
+    pair = dataclasses.replace(tiny_pair, draft=tiny_qwen(5, layers=8), draft_name="tiny-deep-draft",
+                               draft_prompts=PromptCache(), target_prompts=PromptCache())
     cfg = SpecConfig(mode="exact", gamma_policy="cost", max_new_tokens=40)
-    reference = decode(tiny_pair, [prompt_ids], cfg, target_only=True)
-    trace = decode(tiny_pair, [prompt_ids], cfg)
+    reference = decode(pair, [prompt_ids], cfg, target_only=True)
+    trace = decode(pair, [prompt_ids], cfg)
     assert trace.outputs == reference.outputs
     gammas = [s.gamma for s in trace.steps]
     assert gammas.count(0) > len(gammas) / 2, gammas

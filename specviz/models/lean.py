@@ -121,7 +121,6 @@ class LeanForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = model.model.layers[0].self_attn.scaling
 
-    @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, cache,
                keep: int) -> torch.Tensor:
         """input_ids, positions [B, W] (positions: each token's index among its row's valid tokens); valid

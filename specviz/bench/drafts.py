@@ -127,7 +127,7 @@ def speech_draft_figures(source, output: list[int], ks: list[int], repeat: int) 
 
     def logits_of(model) -> torch.Tensor:
         decoder = WhisperDecoder(model, target.encoder_out, len(prompt), source.suppress, source.begin)
-        return decoder._run(torch.tensor([full]), torch.ones(1, len(full), dtype=torch.long), positions,
+        return decoder._run(torch.tensor([full]), torch.ones(1, len(full), dtype=torch.bool), positions,
                             len(output), decoder.cache, [0])[0]
 
     target_logits, draft_logits = logits_of(pair.target), logits_of(pair.draft)

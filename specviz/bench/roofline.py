@@ -15,7 +15,7 @@ from torch import nn
 from specviz.models import cpu_kernels
 from specviz.models.packed import PackedLinear
 
-_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear
+INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear  # the int8 draft's layers (specviz.models.quant)
 
 
 def read_bandwidth(gib: float = 1.0, repeat: int = 5) -> float:
@@ -45,14 +45,17 @@ def int8_peak(repeat: int = 3, iterations: int = 10**7) -> float | None:
     return statistics.median(rates)
 
 
-def linear_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's linear layers, and the fused ones its lean forward calls instead (models/lean.py)."""
-    kinds = (PackedLinear, nn.Linear, _INT8_LINEAR)
-    found = [m for m in model.modules() if isinstance(m, kinds)]
+def model_linears(model: nn.Module) -> list[nn.Module]:
+    """The model's own linear layers (packed, dense or int8)."""
+    return [m for m in model.modules() if isinstance(m, (PackedLinear, nn.Linear, INT8_LINEAR))]
+
+
+def called_linears(model: nn.Module) -> list[nn.Module]:
+    """The linear layers a forward may call: the model's own, and the fused ones its lean forward calls
+    instead of some of them (models/lean.py; they hold views of the same weights)."""
     lean = getattr(model, "lean_forward", None)
-    if lean is not None:
-        found += [m for layer in lean.layers for m in (layer.qkv, layer.gate_up) if m is not None]
-    return found
+    fused = [] if lean is None else [m for layer in lean.layers for m in (layer.qkv, layer.gate_up) if m is not None]
+    return model_linears(model) + fused
 
 
 @contextlib.contextmanager
@@ -67,7 +70,7 @@ def linear_time(model: nn.Module) -> Iterator[list[float]]:
     def after(module, args, output):
         total[0] += time.perf_counter() - started.pop(id(module))
 
-    handles = [h for m in linear_modules(model)
+    handles = [h for m in called_linears(model)
                for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
         yield total

@@ -10,14 +10,12 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 
 from specviz.bench.measure import _median_us
-from specviz.bench.roofline import linear_modules, linear_time
+from specviz.bench.roofline import INT8_LINEAR, linear_time, model_linears
 from specviz.models.packed import PackedLinear
 from specviz.text.source import CausalLMDecoder
 
-_INT8_LINEAR = torch.ao.nn.quantized.dynamic.Linear  # the int8 draft's layers (specviz.models.quant)
 
 
 @torch.inference_mode()
@@ -53,10 +51,10 @@ def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: 
 def weight_bytes(model) -> int:
     """Bytes of linear-layer weights one step reads (packed blocks and scales, or dense/int8 tensors)."""
     total = 0
-    for m in _own_linears(model):
+    for m in model_linears(model):
         if isinstance(m, PackedLinear):
             total += m.packed().nbytes
-        elif isinstance(m, _INT8_LINEAR):
+        elif isinstance(m, INT8_LINEAR):
             total += m.weight().numel()
         else:
             total += m.weight.numel() * m.weight.element_size()
@@ -65,11 +63,4 @@ def weight_bytes(model) -> int:
 
 def linear_params(model) -> int:
     """Multiply-adds per token in linear layers (the output head counted once per scored token)."""
-    return sum(m.in_features * m.out_features for m in _own_linears(model))
-
-
-def _own_linears(model) -> list[nn.Module]:
-    """The model's linear layers (not the lean forward's fused copies: those hold views of the same weights)."""
-    lean = getattr(model, "lean_forward", None)
-    fused = set() if lean is None else {id(m) for layer in lean.layers for m in (layer.qkv, layer.gate_up)}
-    return [m for m in linear_modules(model) if id(m) not in fused]
+    return sum(m.in_features * m.out_features for m in model_linears(model))

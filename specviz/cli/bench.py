@@ -98,7 +98,7 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
     from specviz.bench.roofline import int8_peak, read_bandwidth
     from specviz.bench.steps import linear_params, step_costs, weight_bytes
     from specviz.models import lean
-    from specviz.models.cpu_kernels import isa
+    from specviz.models import cpu_kernels
     from specviz.models.loading import load_model, parse_dtype
     from specviz.models.quant import quantize_draft_int8, quantize_draft_q4
     from specviz.text.prompts import max_prompt_tokens, summarization_prompt
@@ -111,6 +111,7 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
     if "dense" in args.weights_list:
         variants.append(("draft", "dense int8"))
     bandwidth, peak = read_bandwidth(), int8_peak()
+    isa = cpu_kernels.isa() if cpu_kernels.available() else "no specviz kernels"
     rows = []
     for role, weights in tqdm(variants, desc="bench-steps", unit="model", file=sys.stderr):
         name = args.target if role == "target" else args.draft
@@ -132,7 +133,7 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
         cells = " ".join(f"{1e3 * s['seconds']:6.0f}" + (f" {s['ratio']:.1f}×" if s['tokens'] != 1 else "   ")
                          for s in r["steps"])
         print(f"{r['role']:6s} {r['weights']:11s} {r['bytes_per_step'] / 1e9:7.2f} {r['prefill_s']:9.2f} {cells}")
-    peak_words = f"int8 peak {peak / 1e9:.0f} GMAC/s ({isa()} dot products in registers)" if peak else "no int8 kernels"
+    peak_words = f"int8 peak {peak / 1e9:.0f} GMAC/s ({isa} dot products in registers)" if peak else "no int8 kernels"
     print(f"\nroofline: read bandwidth {bandwidth / 1e9:.1f} GB/s (a 1 GiB sum), {peak_words}")
     print(f"{'role':6s} {'weights':11s} {'M':>3s} {'ms':>6s} {'GB/s':>6s} {'of bw':>6s} {'GMAC/s':>7s} {'of peak':>7s} "
           f"{'in linear layers':>16s}")
@@ -147,7 +148,7 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine.describe(), "repeat": args.repeat,
                                                "read_bandwidth_Bps": bandwidth, "int8_peak_MACps": peak,
-                                               "isa": isa(),
+                                               "isa": isa,
                                                "statistic": "median seconds per call after 2 warm-up calls",
                                                "rows": rows}, indent=2))
         print(f"results written to {args.json}", file=sys.stderr)

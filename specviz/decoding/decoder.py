@@ -45,7 +45,8 @@ class SlottedDecoder:
 
     def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, keep: int,
              cache, rows: list[int]) -> torch.Tensor:
-        """input_ids, position_ids [b, W]; attention_mask [b, L+W] over the cache and the new tokens; rows:
+        """input_ids, position_ids [b, W]; attention_mask [b, L+W] bool over the cache and the new tokens (a
+        view: each model converts it to what it takes); rows:
         which batch rows these are (speech picks their encoder output). Returns float logits [b, keep, V]."""
         raise NotImplementedError
 
@@ -110,7 +111,7 @@ class SlottedDecoder:
         if isinstance(cache, BufferedCache):
             cache.reserve(len(prompt), headroom=0)  # the stored entry holds exactly the prompt, contiguous
         ids = torch.tensor([prompt], device=self.device)
-        ones = torch.ones_like(ids, dtype=torch.long)
+        ones = torch.ones_like(ids, dtype=torch.bool)
         self._run(ids, ones, torch.arange(len(prompt), device=self.device)[None], 1, cache, [row])
         source = _self_attention_layers(cache)
         if source is not cache:
@@ -160,7 +161,7 @@ class SlottedDecoder:
         self.real_fed += sum(len(f) for f in feeds)
         self.pad_fed += B * width - sum(len(f) for f in feeds)
         self._extend_valid(new.to(self.device))
-        return self._run(ids.to(self.device), self.valid.long(), positions.to(self.device), keep, self.cache,
+        return self._run(ids.to(self.device), self.valid, positions.to(self.device), keep, self.cache,
                          list(range(B)))
 
     def rollback(self, keep: list[int]) -> None:

@@ -10,6 +10,7 @@ kernels and torch share one pool of threads (two pools on two cores would fight 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -41,8 +42,10 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
+@functools.cache
 def source_digest() -> str:
-    """A digest of the kernels' source: whatever was measured on one version (a cost table) is not another's."""
+    """A digest of the kernels' source (read once): the build's cache key, and what was measured on one
+    version (a cost table) is not another's."""
     return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
 
 
@@ -84,8 +87,7 @@ def library() -> ctypes.CDLL:
             version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
         except OSError as e:
             raise KernelBuildError(f"cannot run the C++ compiler: {e}") from e
-        sources = b"".join(path.read_bytes() for path in SOURCES)
-        key = hashlib.sha256(sources + version.encode() + _cpu_signature().encode()).hexdigest()[:16]
+        key = hashlib.sha256((source_digest() + version + _cpu_signature()).encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"qmatmul-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,10 +29,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specviz.models import cpu_kernels, hub
+from specviz.models import cpu_kernels, hub, lean
 from specviz.cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
 from specviz.models.errors import ModelLoadError
-from specviz.models import lean
 from specviz.models.packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current, save_packed)
 from specviz.models.prompt_cache import PromptCache
 from specviz.models.quant import quantize_draft_int8, quantize_draft_q4

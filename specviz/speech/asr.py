@@ -167,7 +167,7 @@ class WhisperDecoder(SlottedDecoder):
 
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
         encoder_out = self.encoder_out if len(rows) == self.encoder_out.shape[0] else self.encoder_out[rows]
-        inputs = dict(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,), decoder_attention_mask=attention_mask,
+        inputs = dict(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,), decoder_attention_mask=attention_mask.long(),
                       decoder_position_ids=position_ids, past_key_values=cache, use_cache=True)
         if self.head is None:
             logits = self.model(**inputs).logits[:, -keep:].float()  # [b, keep, V]

@@ -30,11 +30,10 @@ class CausalLMDecoder(SlottedDecoder):
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
         lean = getattr(self.model, "lean_forward", None)  # set by models.lean.attach where it applies
         if lean is not None:
-            valid = attention_mask.bool()
             if self.head is None:
-                return lean.logits(input_ids, valid, position_ids, cache, keep)[..., : self.vocab]
-            return self.head(lean.hidden(input_ids, valid, position_ids, cache, keep))
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                return lean.logits(input_ids, attention_mask, position_ids, cache, keep)[..., : self.vocab]
+            return self.head(lean.hidden(input_ids, attention_mask, position_ids, cache, keep))
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
                       past_key_values=cache, use_cache=True)
         if self.head is None:
             return self.model(**inputs, logits_to_keep=keep).logits[:, -keep:, : self.vocab]

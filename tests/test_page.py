@@ -37,13 +37,27 @@ def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=200, gamma_policy="constant", gamma_init=2)
     stop = sessions.StopFlag()
     seen = []
-    for trace, done in page._streamed(source, cfg, {}, stop):
+    for trace, done, _ in page._streamed(source, cfg, {}, stop):
         seen.append(len(trace.steps))
-        if len(trace.steps) == 3:
-            stop.stop("test")
+        stop.stop("test")  # at the first frame, drawn at the first iteration
     assert done and trace.meta["stopped"] is True
-    assert len(trace.steps) <= 4 and trace.new_tokens < 200  # at most the iteration in flight finishes
+    assert len(trace.steps) <= seen[0] + 1 and trace.new_tokens < 200  # at most the iteration in flight finishes
     loads_trace(json.dumps(trace.to_dict()))  # the partial trace is a valid, exportable trace
+
+
+def test_a_streamed_run_draws_text_often_and_plots_on_a_budget(tiny_pair, prompt_ids):
+    """Frames come when no newer iteration waits, at least MIN_TEXT_GAP_S apart; the first and the last
+    draw the plots; the trace grows frame to frame and the last one is the whole run."""
+    source = prompts_source(tiny_pair, [prompt_ids])
+    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=120, gamma_policy="constant", gamma_init=2)
+    frames = []
+    for frame in page._streamed(source, cfg, {}, sessions.StopFlag()):
+        frames.append((time.perf_counter(), len(frame.trace.steps), frame.done, frame.plots))
+    assert frames[0][3] and frames[-1][2] and frames[-1][3] and not any(done for _, _, done, _ in frames[:-1])
+    growing = [frames[i][1] for i in range(len(frames) - 1)]
+    assert growing == sorted(growing) and frames[-1][1] == len(frame.trace.steps) > 0
+    gaps = [b[0] - a[0] for a, b in zip(frames, frames[1:-1])]
+    assert all(gap >= page.MIN_TEXT_GAP_S for gap in gaps)
 
 
 def test_a_closed_stream_stops_its_worker(tiny_pair, prompt_ids):

@@ -20,10 +20,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from specviz import openmp
 from specviz.figures import report
 from specviz.speech.audio import load_audio
 from specviz.runs.compare import Row, compare, hf_assisted_runs, noise, source_runner
@@ -54,12 +55,25 @@ class _Failure:
     error: BaseException
 
 
-RENDER_SHARE_INVERSE = 9  # after a redraw that took t seconds, wait 9 t: redraws take at most ~10% of a run
+class Frame(NamedTuple):
+    """One update of a streamed run: the trace so far; whether it is finished; whether to redraw the plots
+    (the tokens, output and summary are redrawn at every frame: a few milliseconds)."""
+
+    trace: Trace
+    done: bool
+    plots: bool
+
+
+# The page draws on the cores that decode, so a redraw slows decoding while it lasts, and the speculative run's
+# measured speed would carry it while the target-only reference's does not. After a frame that took t seconds
+# the next waits PLOT_WAIT t (plots: ~0.17 s each) or TEXT_WAIT t (text), but at least MIN_TEXT_GAP_S: about 5%
+# of a run goes into drawing.
+PLOT_WAIT, TEXT_WAIT, MIN_TEXT_GAP_S = 19, 19, 0.4
 
 
 def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag,
-              target_only: bool = False) -> Iterator[tuple[Trace, bool]]:
-    """Decode in a worker thread; yield (trace so far, finished) as iterations arrive.
+              target_only: bool = False) -> Iterator[Frame]:
+    """Decode in a worker thread; yield frames as iterations arrive.
 
     The worker only produces immutable records and puts them on a queue; this generator, in the page's
     thread, owns the TraceBuilder, so the trace it yields is never touched by another thread. When `stop` is
@@ -84,27 +98,29 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
             updates.put(_Failure(e))
         finally:
             events.close()  # drops the KV caches now, not when the generator is collected
-            updates.put(None)
+            updates.put(None)  # the thread ends here, and its OpenMP team with it
 
     threading.Thread(target=work, daemon=True).start()
     ended = False
-    next_update = 0.0
+    next_text = next_plots = 0.0
     try:
         while (item := updates.get()) is not None:
             if isinstance(item, _Failure):
                 raise item.error
             builder.add(item)
-            # Redraw when no newer iteration waits and the last redraw's share of the time stays small: the
-            # page renders on the cores that decode, and a redraw per iteration slowed decoding measurably.
-            if isinstance(item, Iteration) and updates.empty() and time.perf_counter() >= next_update:
-                start = time.perf_counter()
-                yield builder.trace, False
-                now = time.perf_counter()
-                next_update = now + RENDER_SHARE_INVERSE * (now - start)
+            # Drawn when no newer iteration waits and the drawing's share of the time stays small.
+            now = time.perf_counter()
+            if isinstance(item, Iteration) and updates.empty() and now >= next_text:
+                plots = now >= next_plots
+                yield Frame(builder.trace, False, plots)
+                end = time.perf_counter()
+                next_text = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))
+                if plots:
+                    next_plots = end + PLOT_WAIT * (end - now)
         ended = True
         if stop.is_set():
             builder.trace.meta["stopped"] = True
-        yield builder.trace, True
+        yield Frame(builder.trace, True, True)
     finally:
         if not ended:  # closed early (an error, or Gradio dropped the stream): the worker must not go on
             stop.stop("the page stopped reading the run")
@@ -137,11 +153,13 @@ _SOURCES: dict[str, Callable[..., Source]] = {SUMMARIZE.name: _article_source, T
 
 def _source(models: ModelCache, task: str, source_input: str | None, settings: Settings, cfg: SpecConfig,
             progress: Progress) -> Source:
-    return _SOURCES[task_of(task).name](models, source_input, settings, cfg, progress)
+    """Built in the handler's thread, which lives on while a worker decodes: it gives its OpenMP team back."""
+    with openmp.team_released():
+        return _SOURCES[task_of(task).name](models, source_input, settings, cfg, progress)
 
 
 def stream_run(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
-               stop: StopFlag, gamma_schedule: tuple[int, ...] = ()) -> Iterator[tuple[Trace, bool]]:
+               stop: StopFlag, gamma_schedule: tuple[int, ...] = ()) -> Iterator[Frame]:
     """One run of the page: text (source_input is the article) or speech (a path to the audio); on a trace's
     γ schedule when one is given (specviz.runs.replay)."""
     cfg = settings.spec(task)
@@ -199,7 +217,7 @@ def measure_reference(models: ModelCache, references: References, task: str, sou
     cfg = settings.spec(task)
     source = _source(models, task, source_input, settings, cfg, progress)
     trace = None
-    for trace, done in _streamed(source, cfg, {}, stop, target_only=True):
+    for trace, done, _ in _streamed(source, cfg, {}, stop, target_only=True):
         if not done:
             progress(f"target-only reference: {trace.new_tokens} tokens", None)
     if trace is None or trace.stopped:
@@ -217,6 +235,12 @@ def compare_modes(models: ModelCache, task: str, source_input: str | None, setti
         raise InputError(f"a comparison runs 1 to 10 rounds, not {rounds}")
     if with_hf and (task != TEXT or settings.sequences != 1):  # said before any model or input is loaded
         raise InputError("transformers' assisted generation is compared on text with one sequence")
+    with openmp.team_released():  # compared in the handler's thread, which outlives the comparison
+        return _compare_modes(models, task, source_input, settings, progress, on_stage, rounds, with_hf)
+
+
+def _compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
+                   on_stage: Callable[[str], None], rounds: int, with_hf: bool) -> tuple[list[Row], dict[str, Trace], str]:
     cfg = settings.spec(task)
     decoded = _source(models, task, source_input, settings, cfg, progress)
     extra = {}
@@ -244,21 +268,23 @@ def score(trace: Trace, task: str, reference: str) -> None:
     trace.meta[name] = value
 
 
-def figures(trace: Trace, upto: int | None = None) -> dict[str, Any]:
-    """Everything the page draws from a trace; `upto`: as it stood after that many iterations (replay)."""
+def figures(trace: Trace, upto: int | None = None, plots: bool = True) -> dict[str, Any]:
+    """Everything the page draws from a trace; `upto`: as it stood after that many iterations (replay).
+    Without `plots`, only the text parts (tokens, summary, output): milliseconds instead of ~0.17 s."""
     shown = trace.until(upto)
+    text = {"tokens": token_html(trace, upto=upto), "summary": report.summary_markdown(shown),
+            "warning": report.sigmoid_warning(shown), "output": shown.output_text}
+    if not plots:
+        return text
     measured = report.measured_speedup(trace) if shown is trace else None
     return {
-        "tokens": token_html(trace, upto=upto),
+        **text,
         "gamma": gamma_figure(trace, upto=upto),
         "acceptance": acceptance_figure(trace, upto=upto),
         "timing": timing_figure(trace, upto=upto),
         "verify": verify_figure(trace, upto=upto),
         "theory": theory_figure(trace, upto=upto, measured_speedup=measured.decode if measured else None),
         "batch": batch_figure(trace, upto=upto),
-        "summary": report.summary_markdown(shown),
-        "warning": report.sigmoid_warning(shown),
-        "output": shown.output_text,
     }
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 import gradio as gr
 import pandas as pd
 
+from specviz import openmp
 from specviz.page import actions as page, sessions
 from specviz.memory import release_freed_memory
 from specviz.page.shelf import Ticket, TraceShelf, json_size
@@ -42,7 +43,8 @@ Progress = Callable[[str, "float | None"], None]
 SAMPLE_AUDIO = TRANSCRIBE.sample_input()
 SAMPLE_TRANSCRIPT = (ASSETS / "sample_speech.txt").read_text(encoding="utf-8").strip()
 PLOTS = ("gamma", "acceptance", "timing", "verify", "theory", "batch")
-VIEW = ("output", "summary", "warning", "tokens", *(f"{name}_plot" for name in PLOTS))  # what a trace redraws
+TEXT_VIEW = ("output", "summary", "warning", "tokens")  # what a trace redraws in milliseconds
+VIEW = (*TEXT_VIEW, *(f"{name}_plot" for name in PLOTS))  # all that a trace redraws
 COMPARE_COLUMNS = ("run", "tokens/s (median)", "speedup end to end (median)", "end to end min–max",
                    "speedup decoding (median)", "decoding tokens/s", "α", "tokens / iteration", "verify µs (median)",
                    "= target-only", "output")
@@ -81,9 +83,12 @@ def settings_of(values: Values) -> Settings:
     return Settings.from_values({name: values[name] for name in page_names() if name in values})
 
 
-def views(trace: Trace, upto: int | None = None) -> Updates:
-    """Everything drawn from a trace; plots without content (a target-only run's γ) are hidden."""
-    f = page.figures(trace, upto)
+def views(trace: Trace, upto: int | None = None, plots: bool = True) -> Updates:
+    """Everything drawn from a trace (without `plots`: its text only); plots without content (a target-only
+    run's γ) are hidden."""
+    f = page.figures(trace, upto, plots)
+    if not plots:
+        return {name: f[name] for name in TEXT_VIEW}
     drafted = bool(trace.drafted())
     shown = {name: drafted or name == "timing" for name in PLOTS}
     shown["batch"] = len(trace.sequences) > 1
@@ -140,7 +145,7 @@ def run(server: Server, values: Values, caller: Caller, gamma_schedule: tuple[in
         yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
                                "the first iteration)…")}
         trace, ticket = None, None
-        for trace, done in stream:
+        for trace, done, plots in stream:
             if done:
                 reference = values["reference_" + task_of(task).reference_noun]  # the page's reference boxes
                 page.score(trace, task, reference or "")
@@ -153,7 +158,7 @@ def run(server: Server, values: Values, caller: Caller, gamma_schedule: tuple[in
                 # still growing: held at no size until it is done and exported (the shelf counts finished traces)
                 ticket = server.traces.put(trace, 0, ticket)
                 yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens"),
-                       "trace": ticket, "replay": _replay_at_end(trace), **views(trace)}
+                       "trace": ticket, "replay": _replay_at_end(trace), **views(trace, plots=plots)}
         if trace is None or trace.stopped or not values["measure"]:
             return
         yield {"status": stamp("Done. Measuring target-only on the same input and settings for the speedup…")}
@@ -380,8 +385,9 @@ def evaluate(server: Server, values: Values, caller: Caller) -> Iterator[Updates
                             progress.done / progress.total)
 
         models = Models(task.name, settings.draft, settings.target)
-        done = run_serial(cells, grid, models, ResultsFile(path), describe(data, examples=examples), on_cell=on_cell,
-                          should_stop=stop.is_set, pair=pair)
+        with openmp.team_released():  # evaluated in the handler's thread, which outlives the sweep
+            done = run_serial(cells, grid, models, ResultsFile(path), describe(data, examples=examples),
+                              on_cell=on_cell, should_stop=stop.is_set, pair=pair)
         what = "Stopped" if stop.is_set() else "Done"
         yield {"status": stamp(f"{what}: {done.done} of {done.total} runs ({done.failed} failed)."),
                "eval_download": gr.DownloadButton(value=str(path), interactive=True),

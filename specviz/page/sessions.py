@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specviz.models.hub import HUB_ID
+from specviz import openmp
 from specviz.models.loading import DEFAULT, ModelLoadError, ModelPair, Progress, load_pair
 from specviz.runs.settings import SPEECH, TEXT, Settings
 from specviz.text.prompts import InputError
@@ -112,7 +113,8 @@ class ModelCache:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
             if key not in self._pairs:
-                self._pairs[key] = load()
+                with openmp.team_released():  # loaded in a handler's thread, which outlives the load
+                    self._pairs[key] = load()
             return self._pairs[key]
 
 

@@ -62,6 +62,18 @@ def test_run_streams_named_updates_and_ends_with_the_trace(tiny_pair):
     assert exported["meta"]["page_settings"]["decoding"] == "greedy"
 
 
+def test_run_says_how_far_each_model_has_read_the_input_before_the_first_iteration(tiny_pair):
+    fractions: list = []
+    caller = handlers.Caller("s1", lambda message, fraction: fractions.append((message, fraction)))
+    statuses = [str(u["status"]) for u in handlers.run(_server(tiny_pair), _values(max_new_tokens=8), caller)
+                if "status" in u]
+    first_iteration = next(i for i, s in enumerate(statuses) if "Decoding…" in s or "Done" in s)
+    reading = [s for s in statuses[:first_iteration] if "Prefill: the target" in s or "Prefill: the draft" in s]
+    assert [("target" in s, "draft" in s) for s in reading] == [(True, False), (False, True)]
+    assert all("has read the input" in s for s in reading)  # a tiny fp32 pair reads each prompt in one forward
+    assert [f for m, f in fractions if m.startswith("Prefill")] == [1.0, 1.0]
+
+
 def test_run_shows_a_bad_setting_or_input_in_the_status_and_frees_the_session(tiny_pair):
     server = _server(tiny_pair)
     caller, _ = _caller("s2")

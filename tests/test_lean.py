@@ -34,13 +34,13 @@ def packed_model(formats: list[tuple[str, int]], seed: int = 0):
     return apply_packed(model, blocks, int8_activations=True)
 
 
-def decode_steps(model, use_lean: bool, head=None) -> list[torch.Tensor]:
+def decode_steps(model, use_lean: bool, head=None, lengths=(9, 5, 7)) -> list[torch.Tensor]:
     """Logits of a fixed script of decoder calls, with or without the lean forward."""
     lean.attach(model)
     if not use_lean:
         model.lean_forward = None
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (9, 5, 7)]
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
     decoder = CausalLMDecoder(model, VOCAB, 3, head=head)
     out = []
     with torch.inference_mode():
@@ -63,6 +63,27 @@ def test_the_lean_forward_gives_transformers_bits(formats):
     got = decode_steps(model, use_lean=True)
     for i, (e, g) in enumerate(zip(expected, got)):
         assert e.shape == g.shape and torch.equal(e, g), f"call {i}: max |Δ| {float((e - g).abs().max())}"
+
+
+def test_a_prompt_read_in_pieces_gives_the_bits_of_one_forward(monkeypatch):
+    """Prefill in pieces (for its progress) computes what one forward over the prompt does: the same keys and
+    values, so the same logits at every later call; and it reports every piece, ending at the whole."""
+    model = packed_model(FORMATS["fused"])
+    for lengths in ((9, 5, 7), (8, 8, 8)):  # read one by one and merged; read as one batch
+        whole = decode_steps(model, use_lean=True, lengths=lengths)
+        with monkeypatch.context() as patch:
+            patch.setattr(CausalLMDecoder, "PREFILL_PIECE", 3)
+            pieces = decode_steps(model, use_lean=True, lengths=lengths)
+        for i, (e, g) in enumerate(zip(whole, pieces)):
+            assert torch.equal(e, g), f"{lengths}, call {i}: max |Δ| {float((e - g).abs().max())}"
+    monkeypatch.setattr(CausalLMDecoder, "PREFILL_PIECE", 3)
+    decoder = CausalLMDecoder(model, VOCAB, 2)
+    assert decoder.reads_in_pieces
+    with torch.inference_mode():
+        steps = list(decoder.prefill_steps([[5] * 7, [6] * 4]))
+    assert steps == [(3, 11), (6, 11), (7, 11), (10, 11), (11, 11)]
+    with torch.inference_mode():
+        assert list(CausalLMDecoder(model, VOCAB, 2).prefill_steps([[5] * 7, [6] * 7])) == [(6, 14), (12, 14), (14, 14)]
 
 
 def test_the_reduced_draft_head_reads_the_lean_hidden_states():

@@ -37,7 +37,7 @@ def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=200, gamma_policy="constant", gamma_init=2)
     stop = sessions.StopFlag()
     seen = []
-    for trace, done, _ in page._streamed(source, cfg, {}, stop):
+    for trace, done, _, _ in page._streamed(source, cfg, {}, stop):
         seen.append(len(trace.steps))
         stop.stop("test")  # at the first frame, drawn at the first iteration
     assert done and trace.meta["stopped"] is True
@@ -47,12 +47,18 @@ def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
 
 def test_a_streamed_run_draws_text_often_and_plots_on_a_budget(tiny_pair, prompt_ids):
     """Frames come when no newer iteration waits, at least MIN_TEXT_GAP_S apart; the first and the last
-    draw the plots; the trace grows frame to frame and the last one is the whole run."""
+    draw the plots; the trace grows frame to frame and the last one is the whole run. Before them, one frame
+    per model says it has read the input."""
     source = prompts_source(tiny_pair, [prompt_ids])
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=120, gamma_policy="constant", gamma_init=2)
-    frames = []
+    frames, reading = [], []
     for frame in page._streamed(source, cfg, {}, sessions.StopFlag()):
+        if frame.reading is not None:  # the prefill's progress, before any iteration
+            assert not frame.trace.steps and not frames
+            reading.append((frame.reading.model, frame.reading.read == frame.reading.total))
+            continue
         frames.append((time.perf_counter(), len(frame.trace.steps), frame.done, frame.plots))
+    assert reading == [("target", True), ("draft", True)]
     assert frames[0][3] and frames[-1][2] and frames[-1][3] and not any(done for _, _, done, _ in frames[:-1])
     growing = [frames[i][1] for i in range(len(frames) - 1)]
     assert growing == sorted(growing) and frames[-1][1] == len(frame.trace.steps) > 0

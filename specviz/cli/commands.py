@@ -19,7 +19,7 @@ from specviz.config import DRAFT_KINDS, GAMMA_POLICIES, MODES, SpecConfig
 from specviz.models.loading import ModelLoadError
 from specviz.traces.prediction import predict, sentence
 from specviz.text.prompts import InputError
-from specviz.decoding.records import Finished, Iteration
+from specviz.decoding.records import Finished, Iteration, Prefilling
 from specviz.runs.decode import run
 from specviz.sampling import InvalidLogitsError
 from specviz.runs.settings import SPEECH, TEXT, add_flags
@@ -32,7 +32,9 @@ def _decode_with_bar(source, cfg: SpecConfig, args: argparse.Namespace, what: st
     total = cfg.max_new_tokens * len(source.sequences)
     with tqdm(total=total, desc=f"{cfg.mode} {what}", unit="tok", file=sys.stderr) as bar:
         def advance(event, trace):
-            if isinstance(event, Iteration):
+            if isinstance(event, Prefilling):
+                bar.set_postfix_str(f"prefill: the {event.model} read {event.read} of {event.total} prompt tokens")
+            elif isinstance(event, Iteration):
                 bar.update(sum(d.emitted for d in event.decisions))
                 bar.set_postfix(γ=event.step.gamma, batch=len(event.step.sequences),
                                 accepted="/".join(str(d.n_accepted) for d in event.decisions))

@@ -12,6 +12,8 @@ Both costs are measured per iteration (StepRecord). Prompts of different lengths
 
 from __future__ import annotations
 
+from typing import Generator, Iterator
+
 import torch
 
 from specviz.models.kv_cache import HEADROOM, BufferedCache
@@ -66,31 +68,54 @@ class SlottedDecoder:
     # encoder-decoder models: there the cache also holds each row's own cross-attention keys and values.
     shares_identical_prompts = True
 
+    # Prompt tokens per forward where a prompt is read in pieces. Only for models whose every position's
+    # outputs are independent of what else one call computes (the packed kernels with the batch-invariant
+    # attention: subclasses set `reads_in_pieces`): there the pieces give the same keys, values and logits as
+    # one forward, bit for bit (tests/test_lean.py), and the page and CLI can show how far the prefill is.
+    PREFILL_PIECE = 128
+    reads_in_pieces = False
+
     def prefill(self, prompts: list[list[int]]) -> None:
         """Feed each row its tokens into an empty cache. Identical prompts (N samples of one input) are fed
         once and copied; equal lengths: one batched forward; otherwise one forward per row, merged into a
         left-padded cache so that no compute goes into padding."""
+        for _ in self.prefill_steps(prompts):
+            pass
+
+    def prefill_steps(self, prompts: list[list[int]]) -> Iterator[tuple[int, int]]:
+        """As `prefill`, yielding (prompt tokens read, of how many) as it goes; the last is (n, n)."""
         unique = list(dict.fromkeys(tuple(p) for p in prompts))
         if self.shares_identical_prompts and len(unique) < len(prompts):
             self._set_valid(self.valid[: len(unique)])
             self.slots = [[] for _ in unique]
-            self._prefill_distinct([list(u) for u in unique])
+            yield from self._prefill_distinct([list(u) for u in unique])
             self.select([unique.index(tuple(p)) for p in prompts])
             return
-        self._prefill_distinct(prompts)
+        yield from self._prefill_distinct(prompts)
 
-    def _prefill_distinct(self, prompts: list[list[int]]) -> None:
+    def _prefill_distinct(self, prompts: list[list[int]]) -> Iterator[tuple[int, int]]:
         lengths = {len(p) for p in prompts}
-        if len(lengths) == 1 and self.prompt_cache is None:
-            if lengths != {0}:
-                self.forward(prompts, 1)
+        total = sum(len(p) for p in prompts)
+        if len(lengths) == 1 and self.prompt_cache is None:  # one batched forward per piece
+            n = len(prompts[0])
+            piece = self.PREFILL_PIECE if self.reads_in_pieces else max(n, 1)
+            for start in range(0, n, piece):
+                self.forward([p[start:start + piece] for p in prompts], 1)
+                if start + piece < n:
+                    yield (start + piece) * len(prompts), total
             self.take_counts()
+            yield total, total
             return
         width = max(lengths)
         if width == 0:
             self.take_counts()
+            yield 0, 0
             return
-        per_row = [self._prompt_layers(r, prompt) for r, prompt in enumerate(prompts)]
+        per_row, before = [], 0
+        for r, prompt in enumerate(prompts):
+            per_row.append((yield from self._prompt_layers(r, prompt, before, total)))
+            before += len(prompt)
+            yield before, total
         self.cache = self._merge(per_row, [len(p) for p in prompts], width)
         valid = torch.zeros((len(prompts), width), dtype=torch.bool, device=self.device)
         for r, prompt in enumerate(prompts):
@@ -99,8 +124,10 @@ class SlottedDecoder:
         self._set_valid(valid)
         self.take_counts()
 
-    def _prompt_layers(self, row: int, prompt: list[int]) -> Layers | None:
-        """Row's keys and values for its prompt alone: from the prompt cache, or computed (and stored)."""
+    def _prompt_layers(self, row: int, prompt: list[int], before: int = 0, total: int = 0
+                       ) -> Generator[tuple[int, int], None, Layers | None]:
+        """Row's keys and values for its prompt alone: from the prompt cache, or computed (and stored),
+        yielding (before + its tokens read so far, total) after each forward but the last."""
         if not prompt:
             return None
         key = tuple(prompt)
@@ -111,8 +138,13 @@ class SlottedDecoder:
         if isinstance(cache, BufferedCache):
             cache.reserve(len(prompt), headroom=0)  # the stored entry holds exactly the prompt, contiguous
         ids = torch.tensor([prompt], device=self.device)
-        ones = torch.ones_like(ids, dtype=torch.bool)
-        self._run(ids, ones, torch.arange(len(prompt), device=self.device)[None], 1, cache, [row])
+        piece = self.PREFILL_PIECE if self.reads_in_pieces else len(prompt)
+        for start in range(0, len(prompt), piece):
+            end = min(start + piece, len(prompt))
+            self._run(ids[:, start:end], torch.ones((1, end), dtype=torch.bool, device=self.device),
+                      torch.arange(start, end, device=self.device)[None], 1, cache, [row])
+            if end < len(prompt):
+                yield before + end, total
         source = _self_attention_layers(cache)
         if source is not cache:
             raise NotImplementedError("prompts of different lengths need a decoder-only cache")

@@ -2,7 +2,7 @@
 
 One driver for text and speech and for any batch size B ≥ 1 (Qian et al., BASS). A `Source`
 (specviz.decoding.source) says what is decoded; `generate` decodes groups of up to `batch_size` sequences and yields
-records (specviz.decoding.records): a group was prefilled, one iteration of the whole batch, a sequence finished, the
+records (specviz.decoding.records): how far a group's prefill has read, a group was prefilled, one iteration of the whole batch, a sequence finished, the
 run completed. Consumers build their own Trace from those immutable records.
 
 One iteration: a proposer (specviz.decoding.proposers) drafts for every live row, the target scores all drafts in
@@ -14,7 +14,7 @@ row's drafts and draws the next token, and every cache keeps only what was verif
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Generator, Iterator
 
 import torch
 
@@ -26,7 +26,7 @@ from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.explain import examine
 from specviz.decoding.gamma import Feedback, Policy, make_policy
 from specviz.decoding.proposers import DraftSetup, Proposal, Proposer, make_proposer, uses_draft_model
-from specviz.decoding.records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, TARGET, Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, StepRecord)
+from specviz.decoding.records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, TARGET, Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, Prefilling, StepRecord)
 from specviz.sampling import check_logits, draw
 from specviz.decoding.source import SequenceSpec, Source, Vocabulary, unique_names
 from specviz.verify import VerifyHost, VerifyMetadata, verify_batch
@@ -105,7 +105,8 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
                    start=clock.now())
     for group in _chunks(len(source.sequences), batch_size):
         t0 = clock.now()
-        batch = _prefill(source, group, cfg, with_draft=not target_only and uses_draft_model(cfg.draft_kind))
+        batch = yield from _prefill(source, group, cfg,
+                                    with_draft=not target_only and uses_draft_model(cfg.draft_kind))
         yield Prefilled(group, clock.now() - t0, sum(d.prompts_reused for d in batch.decoders))
         if target_only:
             yield from _target_only(run, batch)
@@ -118,13 +119,16 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
     yield Completed(run.elapsed(), None if target_only else costs.to_dict())
 
 
-def _prefill(source: Source, group: list[int], cfg: SpecConfig, *, with_draft: bool) -> Batch:
-    """The group's decoders, each holding every prompt token but the last, which the first step feeds."""
+def _prefill(source: Source, group: list[int], cfg: SpecConfig, *, with_draft: bool
+             ) -> Generator[Prefilling, None, Batch]:
+    """The group's decoders, each holding every prompt token but the last, which the first step feeds;
+    how far each has read, as it goes."""
     draft, target = source.decoders(group, with_draft=with_draft)
     live = [LiveSequence(s, list(source.sequences[s].prompt_ids), cfg.max_new_tokens) for s in group]
-    target.prefill([s.tokens[:-1] for s in live])
-    if draft is not None:
-        draft.prefill([s.tokens[:-1] for s in live])
+    for name, decoder in (("target", target), ("draft", draft)):
+        if decoder is not None:
+            for read, total in decoder.prefill_steps([s.tokens[:-1] for s in live]):
+                yield Prefilling(group, name, read, total)
     return Batch(live, target, draft)
 
 

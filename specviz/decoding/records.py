@@ -113,6 +113,16 @@ class Iteration:
 
 
 @dataclass(frozen=True)
+class Prefilling:
+    """How far one model has read a group's prompts (progress only; the trace keeps nothing of it)."""
+
+    sequences: list[int]
+    model: str  # "target" or "draft"
+    read: int  # prompt tokens read so far
+    total: int  # of how many (prompts found in the prompt cache count as read at once)
+
+
+@dataclass(frozen=True)
 class Prefilled:
     """A group of sequences entered the batch; their prompts were fed (and the audio encoded)."""
 
@@ -136,4 +146,4 @@ class Completed:
     costs: dict | None = None
 
 
-Event = Prefilled | Iteration | Finished | Completed
+Event = Prefilling | Prefilled | Iteration | Finished | Completed

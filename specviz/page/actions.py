@@ -33,7 +33,7 @@ from specviz.decoding.source import Source
 from specviz.figures.plots import (acceptance_figure, batch_figure, gamma_figure, theory_figure, timing_figure, verify_figure)
 from specviz.models.loading import Progress
 from specviz.text.prompts import InputError, check_article_size
-from specviz.decoding.records import Iteration
+from specviz.decoding.records import Iteration, Prefilling
 from specviz.runs.replay import replaying
 from specviz.runs.decode import builder_for, records
 from specviz.page.sessions import ModelCache, StopFlag
@@ -62,6 +62,7 @@ class Frame(NamedTuple):
     trace: Trace
     done: bool
     plots: bool
+    reading: Prefilling | None = None  # during the prefill: how far a model has read the input
 
 
 # The page draws on the cores that decode, so a redraw slows decoding while it lasts, and the speculative run's
@@ -108,6 +109,9 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
             if isinstance(item, _Failure):
                 raise item.error
             builder.add(item)
+            if isinstance(item, Prefilling):  # a few per input, each after seconds of reading
+                yield Frame(builder.trace, False, False, item)
+                continue
             # Drawn when no newer iteration waits and the drawing's share of the time stays small.
             now = time.perf_counter()
             if isinstance(item, Iteration) and updates.empty() and now >= next_text:
@@ -217,7 +221,7 @@ def measure_reference(models: ModelCache, references: References, task: str, sou
     cfg = settings.spec(task)
     source = _source(models, task, source_input, settings, cfg, progress)
     trace = None
-    for trace, done, _ in _streamed(source, cfg, {}, stop, target_only=True):
+    for trace, done, _, _ in _streamed(source, cfg, {}, stop, target_only=True):
         if not done:
             progress(f"target-only reference: {trace.new_tokens} tokens", None)
     if trace is None or trace.stopped:

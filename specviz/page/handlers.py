@@ -22,6 +22,7 @@ from specviz.page import actions as page, sessions
 from specviz.memory import release_freed_memory
 from specviz.page.shelf import Ticket, TraceShelf, json_size
 from specviz.runs.compare import Row
+from specviz.decoding.records import Prefilling
 from specviz.evaluation.data import describe, load_examples
 from specviz.evaluation.figures import tradeoff_figure, verify_gamma_figure
 from specviz.evaluation.results import Results, ResultsError, load_results, summarize, table1, table2
@@ -145,8 +146,12 @@ def run(server: Server, values: Values, caller: Caller, gamma_schedule: tuple[in
         yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
                                "the first iteration)…")}
         trace, ticket = None, None
-        for trace, done, plots in stream:
-            if done:
+        for trace, done, plots, reading in stream:
+            if reading is not None:
+                message = prefill_progress(reading)
+                progress(message, reading.read / max(reading.total, 1))
+                yield {"status": stamp(message)}
+            elif done:
                 reference = values["reference_" + task_of(task).reference_noun]  # the page's reference boxes
                 page.score(trace, task, reference or "")
                 note = ("Stopped" if trace.stopped else "Done") + \
@@ -174,6 +179,14 @@ def run(server: Server, values: Values, caller: Caller, gamma_schedule: tuple[in
         yield {"status": error(e)}
     finally:
         server.stops.end(caller.session, stop)
+
+
+def prefill_progress(reading: Prefilling) -> str:
+    """The status line while a model reads the input: which one, how far, and why the wait."""
+    if reading.read >= reading.total:
+        return f"Prefill: the {reading.model} has read the input ({reading.total} tokens)."
+    return (f"Prefill: the {reading.model} has read {reading.read} of {reading.total} tokens of the input "
+            "(each model reads it once before the first iteration).")
 
 
 def rerun(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:

@@ -22,6 +22,8 @@ class CausalLMDecoder(SlottedDecoder):
     def __init__(self, model, vocab: int, batch: int, head: SubsetHead | None = None,
                  prompt_cache: PromptCache | None = None):
         self.model, self.vocab, self.head = model, vocab, head
+        # the lean forward is attached only to packed models on the batch-invariant attention
+        self.reads_in_pieces = getattr(model, "lean_forward", None) is not None
         super().__init__(batch, model.device, prompt_cache)
 
     def _new_cache(self) -> BufferedCache:

@@ -45,6 +45,9 @@ def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
     loads_trace(json.dumps(trace.to_dict()))  # the partial trace is a valid, exportable trace
 
 
+DRAWING_S = 0.03
+
+
 def test_a_streamed_run_draws_text_often_and_plots_on_a_budget(tiny_pair, prompt_ids):
     """Frames come when no newer iteration waits, at least MIN_TEXT_GAP_S apart; the first and the last
     draw the plots; the trace grows frame to frame and the last one is the whole run. Before them, one frame
@@ -58,12 +61,16 @@ def test_a_streamed_run_draws_text_often_and_plots_on_a_budget(tiny_pair, prompt
             reading.append((frame.reading.model, frame.reading.read == frame.reading.total))
             continue
         frames.append((time.perf_counter(), len(frame.trace.steps), frame.done, frame.plots))
+        if frame.plots:
+            time.sleep(DRAWING_S)  # as drawing the plots would take
     assert reading == [("target", True), ("draft", True)]
     assert frames[0][3] and frames[-1][2] and frames[-1][3] and not any(done for _, _, done, _ in frames[:-1])
     growing = [frames[i][1] for i in range(len(frames) - 1)]
     assert growing == sorted(growing) and frames[-1][1] == len(frame.trace.steps) > 0
     gaps = [b[0] - a[0] for a, b in zip(frames, frames[1:-1])]
     assert all(gap >= page.MIN_TEXT_GAP_S for gap in gaps)
+    plotted = [at for at, _, done, plots in frames if plots and not done]
+    assert all(b - a >= page.PLOT_WAIT * DRAWING_S for a, b in zip(plotted, plotted[1:]))
 
 
 def test_a_closed_stream_stops_its_worker(tiny_pair, prompt_ids):

@@ -66,9 +66,9 @@ class Frame(NamedTuple):
 
 
 # The page draws on the cores that decode, so a redraw slows decoding while it lasts, and the speculative run's
-# measured speed would carry it while the target-only reference's does not. After a frame that took t seconds
-# the next waits PLOT_WAIT t (plots: ~0.17 s each) or TEXT_WAIT t (text), but at least MIN_TEXT_GAP_S: about 5%
-# of a run goes into drawing.
+# measured speed would carry it while the target-only reference's does not. After a frame with plots that took
+# t seconds (~0.17 s) the next plots wait PLOT_WAIT t; after a text frame the next waits TEXT_WAIT t; text
+# frames are at least MIN_TEXT_GAP_S apart: about 5% of a run goes into drawing.
 PLOT_WAIT, TEXT_WAIT, MIN_TEXT_GAP_S = 19, 19, 0.4
 
 
@@ -118,9 +118,10 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
                 plots = now >= next_plots
                 yield Frame(builder.trace, False, plots)
                 end = time.perf_counter()
-                next_text = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))
-                if plots:
-                    next_plots = end + PLOT_WAIT * (end - now)
+                if plots:  # its time was mostly the plots': the text's own budget starts from the gap
+                    next_plots, next_text = end + PLOT_WAIT * (end - now), end + MIN_TEXT_GAP_S
+                else:
+                    next_text = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))
         ended = True
         if stop.is_set():
             builder.trace.meta["stopped"] = True

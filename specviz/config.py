@@ -8,7 +8,12 @@ MODES = ("baseline", "exact", "sigmoid")
 # Who drafts (specviz.decoding.proposers) and the γ policies a user chooses (specviz.decoding.gamma), each with
 # the words the page and the CLI show: declared once, here.
 DRAFT_KINDS = {"model": "draft model", "lookup": "prompt lookup (no draft model)",
-               "lookup+model": "prompt lookup, else the draft model"}
+               "lookup+model": "prompt lookup, else the draft model",
+               "priced": "each iteration the one with the best expected tokens/s: prompt lookup, the draft model, "
+                         "lookup else model, or none (with the cost policy)"}
+PRICED = "priced"
+# What a priced run chooses among at each iteration besides a plain step: the kinds that draft.
+PRICED_KINDS = ("model", "lookup", "lookup+model")
 GAMMA_POLICIES = {
     "constant": "always the initial γ",
     "hf": "+2 after all accepted, −1 otherwise (transformers)",
@@ -105,6 +110,9 @@ class SpecConfig:
     # γ of each iteration in order, for gamma_policy "replay": a trace's own schedule (specviz.runs.replay).
     # The cost policy's γ follows measured time, so a seeded run repeats bit for bit only on its schedule.
     gamma_schedule: tuple[int, ...] = ()
+    # Who drafted at each iteration of a replayed priced run (one of PRICED_KINDS; "" at a plain step): with
+    # draft_kind "priced", the choice follows measured time too.
+    drafter_schedule: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.draft_confidence < 1:
@@ -127,6 +135,10 @@ class SpecConfig:
             raise ValueError("a γ schedule goes with the replay policy, and the replay policy needs one")
         if any(not isinstance(g, int) or not 0 <= g <= 64 for g in self.gamma_schedule):
             raise ValueError("a γ schedule holds whole numbers from 0 to 64, one per iteration")
+        if self.drafter_schedule and (self.draft_kind != PRICED or len(self.drafter_schedule) != len(self.gamma_schedule)
+                                      or any(k not in ("", *PRICED_KINDS) for k in self.drafter_schedule)):
+            raise ValueError("a drafter schedule goes with a priced run's γ schedule: one of "
+                             f"{', '.join(PRICED_KINDS)} (or nothing, at a plain step) per iteration")
         if self.gamma_init is not None and self.gamma_init < 1:
             raise ValueError(f"initial γ must be >= 1, got {self.gamma_init}")
         if self.max_new_tokens < 1:
@@ -138,11 +150,13 @@ class SpecConfig:
 
     def to_dict(self) -> dict:
         """Plain JSON values (the schedule a list), so a trace's config reads back equal."""
-        return {**asdict(self), "gamma_schedule": list(self.gamma_schedule)}
+        return {**asdict(self), "gamma_schedule": list(self.gamma_schedule),
+                "drafter_schedule": list(self.drafter_schedule)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecConfig":
         d = dict(d)
         d["sampling"] = SamplingConfig(**d.get("sampling", {}))
         d["gamma_schedule"] = tuple(d.get("gamma_schedule", ()))  # a list once it has been JSON
+        d["drafter_schedule"] = tuple(d.get("drafter_schedule", ()))
         return cls(**d)

@@ -153,12 +153,13 @@ def test_every_draft_kind_has_one_proposer():
 def test_prompt_lookup_proposes_for_every_row():
     """Lookup alone: a row with a match proposes its continuation, a row without one repeats its last token;
     q is one-hot on each proposal and zero-padded beyond it."""
-    from specviz.decoding.proposers import DraftSetup, make_proposer
+    from specviz.decoding.proposers import DraftSetup, make_proposers
     from specviz.decoding.source import Vocabulary
 
     setup = DraftSetup(cfg=SpecConfig(draft_kind="lookup"), vocab=Vocabulary(str, EOS_SET, 16),
                        device=torch.device("cpu"), generator=torch.Generator(), draft=None)
-    proposal = make_proposer(setup).propose([[1, 2, 3, 1, 2], [4, 5, 6]], [3, 3])
+    (proposer,) = make_proposers(setup).values()
+    proposal = proposer.propose([[1, 2, 3, 1, 2], [4, 5, 6]], [3, 3])
     assert proposal.tokens == [[3, 1, 2], [6]] and proposal.drafters == [LOOKUP, LOOKUP]
     assert proposal.lengths == [3, 1] and proposal.width == 3 and proposal.model_forwards == 0
     assert torch.equal(proposal.logits, one_hot_logits([[3, 1, 2], [6]], 3, 16, torch.device("cpu")))

@@ -19,17 +19,23 @@ class RunningAcceptance:
     PRIOR_WEIGHT = 1.0  # position 0 hears from every iteration that drafts: let it learn fast
     SHRINK = 3.0
 
-    def __init__(self, decay: float = 0.95):
+    def __init__(self, decay: float = 0.95, prior_weight: float = PRIOR_WEIGHT):
         self.decay = decay  # per iteration that examined something: ~20 iterations of memory
+        self.prior_weight = prior_weight
         self.stats: dict[tuple[int | None, int], list[float]] = {}  # (sequence or None, k) → [Σ weight·a, Σ weight]
+
+    def fade(self) -> None:
+        """Age what was seen by one iteration without adding to it (a drafter that sat out: its estimate
+        drifts back towards the prior, so that it is tried again)."""
+        for entry in self.stats.values():
+            entry[0] *= self.decay
+            entry[1] *= self.decay
 
     def add(self, examined: dict[int, Sequence[float]]) -> None:
         """examined: sequence → min(1, p/q) of its examined drafts, in position order."""
         if not any(examined.values()):
             return
-        for entry in self.stats.values():
-            entry[0] *= self.decay
-            entry[1] *= self.decay
+        self.fade()
         for seq, probs in examined.items():
             for k, a in enumerate(probs):
                 for key in ((seq, k), (None, k)):
@@ -40,7 +46,7 @@ class RunningAcceptance:
     def alphas(self, sequence: int | None, length: int) -> list[float]:
         out: list[float] = []
         for k in range(length):
-            prior, weight = (self.PRIOR, self.PRIOR_WEIGHT) if k == 0 else (out[k - 1], self.SHRINK)
+            prior, weight = (self.PRIOR, self.prior_weight) if k == 0 else (out[k - 1], self.SHRINK)
             s, n = self.stats.get((None, k), (0.0, 0.0))
             at_k = (s + weight * prior) / (n + weight)
             if sequence is not None:

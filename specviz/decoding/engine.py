@@ -20,12 +20,13 @@ import torch
 
 from specviz.decoding.clock import Stopwatch
 from specviz.config import SpecConfig
-from specviz.decoding.calibration import CALIBRATION_TOKENS, calibrate
+from specviz.decoding.calibration import CALIBRATION_TOKENS, MAX_GAMMA, calibrate
 from specviz.decoding.cost import CostModel
 from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.explain import examine
 from specviz.decoding.gamma import Feedback, Policy, make_policy
-from specviz.decoding.proposers import DraftSetup, Proposal, Proposer, make_proposer, uses_draft_model
+from specviz.decoding.drafts import lookup
+from specviz.decoding.proposers import DraftSetup, Proposal, Proposer, make_proposers, uses_draft_model
 from specviz.decoding.records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, TARGET, Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, Prefilling, StepRecord)
 from specviz.sampling import check_logits, draw
 from specviz.decoding.source import SequenceSpec, Source, Vocabulary, unique_names
@@ -101,7 +102,8 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
     costs = CostModel()
     run = RunState(cfg=cfg, vocab=source.vocab, clock=clock,
                    generator=torch.Generator(device=source.device).manual_seed(cfg.seed),
-                   policy=make_policy(cfg.gamma_policy, cfg.gamma_init, costs, cfg.gamma_schedule), costs=costs,
+                   policy=make_policy(cfg.gamma_policy, cfg.gamma_init, costs, cfg.gamma_schedule,
+                                      cfg.drafter_schedule), costs=costs,
                    start=clock.now())
     for group in _chunks(len(source.sequences), batch_size):
         t0 = clock.now()
@@ -113,9 +115,9 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
             continue
         # measuring what calls cost serves the policy and the page's prediction, not decoding: off the clock
         clock.paused(lambda: _calibrate(costs, source, batch, cfg))
-        proposer = make_proposer(DraftSetup(cfg=cfg, vocab=source.vocab, device=batch.target.device,
-                                            generator=run.generator, draft=batch.draft))
-        yield from _speculate(run, batch, proposer)
+        proposers = make_proposers(DraftSetup(cfg=cfg, vocab=source.vocab, device=batch.target.device,
+                                              generator=run.generator, draft=batch.draft))
+        yield from _speculate(run, batch, proposers)
     yield Completed(run.elapsed(), None if target_only else costs.to_dict())
 
 
@@ -168,23 +170,37 @@ def _calibrate(costs: CostModel, source: Source, batch: Batch, cfg: SpecConfig) 
         decoder.take_counts()  # calibration tokens are not the run's
 
 
-def _speculate(run: RunState, batch: Batch, proposer: Proposer) -> Iterator[Event]:
-    """Iterations until every sequence of the batch has finished, at the γ the policy picks each time."""
+def _speculate(run: RunState, batch: Batch, proposers: dict[str, Proposer]) -> Iterator[Event]:
+    """Iterations until every sequence of the batch has finished, at the γ the policy picks each time (and,
+    in a priced run, with the proposer it picks)."""
     previous_end = run.elapsed()  # what passes between two iterations is their "other" cost
     while batch.live:
-        gamma = run.policy.current()
+        gamma, kind, candidates = _next(run, batch, proposers)
         if gamma == 0:  # a plain target step: nothing is expected to beat it
-            iteration, finished = _plain_iteration(run, batch)
+            iteration, finished = _plain_iteration(run, batch, candidates)
         else:
-            iteration, finished = _speculative_iteration(run, batch, proposer, gamma, previous_end)
+            iteration, finished = _speculative_iteration(run, batch, proposers[kind], gamma, previous_end,
+                                                         candidates)
         run.steps += 1
         yield iteration
         previous_end = iteration.step.end_s
         yield from _leave(run, batch, finished)
 
 
-def _speculative_iteration(run: RunState, batch: Batch, proposer: Proposer, gamma: int,
-                           previous_end: float) -> tuple[Iteration, list[Finish]]:
+def _next(run: RunState, batch: Batch, proposers: dict[str, Proposer]) -> tuple[int, str, dict[int, list[int]]]:
+    """γ and who drafts next: the run's one proposer at the policy's γ, or a priced run's plan, which weighs
+    each row's prompt-lookup continuation (found in well under a millisecond) against the draft model. Also
+    the continuations by sequence (a priced run's; the policy learns lookup's acceptance from them)."""
+    if len(proposers) == 1:
+        return run.policy.current(), next(iter(proposers)), {}
+    candidates = {s.sequence: lookup(s.tokens, MAX_GAMMA, run.vocab.eos, min_ngram=run.cfg.lookup_ngram)
+                  for s in batch.live}
+    plan = run.policy.plan([s.sequence for s in batch.live], [len(candidates[s.sequence]) for s in batch.live])
+    return plan.gamma, plan.kind, candidates
+
+
+def _speculative_iteration(run: RunState, batch: Batch, proposer: Proposer, gamma: int, previous_end: float,
+                           candidates: dict[int, list[int]]) -> tuple[Iteration, list[Finish]]:
     """Draft, score, verify and keep the verified tokens, for every live row at this γ."""
     clock, live = run.clock, batch.live
     caps = [max(1, min(gamma, s.remaining)) for s in live]
@@ -205,7 +221,7 @@ def _speculative_iteration(run: RunState, batch: Batch, proposer: Proposer, gamm
     kept = [len(s.tokens) + n for s, n in zip(live, host.n_accepted)]  # the context plus the accepted drafts
     decisions, finished = _append_verified(run, batch, proposal, host, why)
     _keep_verified(batch, kept)
-    run.policy.update(Feedback.of(gamma, decisions, draft_s=draft_s, target_s=target_s))
+    run.policy.update(Feedback.of(gamma, decisions, draft_s=draft_s, target_s=target_s, candidates=candidates))
     step = _record_step(run, batch, gamma=gamma, draft_s=draft_s, target_s=target_s, verify_s=verify_s,
                         explain_s=explain_s)
     run.costs.observe(batch=len(live), gamma=gamma, scored=proposal.width + 1, draft_forwards=proposal.model_forwards,
@@ -286,12 +302,13 @@ def _keep_verified(batch: Batch, kept: list[int]) -> None:
         decoder.rollback([min(decoder.fed(i), k) for i, k in enumerate(kept)])
 
 
-def _plain_iteration(run: RunState, batch: Batch) -> tuple[Iteration, list[Finish]]:
+def _plain_iteration(run: RunState, batch: Batch, candidates: dict[int, list[int]]
+                     ) -> tuple[Iteration, list[Finish]]:
     """A speculative run's γ = 0 step; the policy and the cost model learn from it as from any other."""
     t0 = run.clock.now()
     decisions, finished = _plain_step(run, batch)
     target_s = run.clock.now() - t0
-    run.policy.update(Feedback.of(0, decisions, draft_s=0.0, target_s=target_s))
+    run.policy.update(Feedback.of(0, decisions, draft_s=0.0, target_s=target_s, candidates=candidates))
     step = _record_step(run, batch, gamma=0, draft_s=0.0, target_s=target_s, verify_s=0.0)
     run.costs.observe(batch=len(batch.live), gamma=0, scored=1, draft_forwards=0, draft_s=0.0, target_s=target_s,
                       verify_s=0.0, other_s=0.0, draft_caught_up=False)

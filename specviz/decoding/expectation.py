@@ -59,3 +59,44 @@ def break_even_alpha(costs: CostModel, batch: int, gamma: int) -> float | None:
         else:
             hi = mid
     return hi
+
+
+def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequence[float]],
+                    lookup_alphas: Sequence[Sequence[float]], lookups: Sequence[int],
+                    max_gamma: int = MAX_GAMMA) -> dict[tuple[str, int], float]:
+    """The expected speedup of every (who drafts, γ) a priced run can choose, per row r of the batch its α by
+    position for each drafter and lookups[r], the length of its prompt-lookup continuation (0: none):
+
+    - ("model", γ): every row drafts γ with the model: γ draft forwards, the target scores γ + 1 per row.
+    - ("lookup", γ): rows with a continuation propose min(lookups[r], γ) of it, the others whatever a shorter
+      match gives (priced as no gain, at γ wide); the target scores the widest proposal + 1, and the draft
+      model later catches up on the tokens it did not see (priced as one draft forward; 0 without a model).
+    - ("lookup+model", γ): continuations where there are, the model's γ elsewhere (only when both occur).
+
+    A plain target step is 1 by definition; the formula is `speedups`'s with the draft's cost where it runs."""
+    plain, draft = costs.plain_s(batch), costs.draft_s(batch)
+    fixed = costs.verify_s() + costs.other_s()
+    target = costs.target_curve(batch, max_gamma + 1)  # index g: scoring g + 1 tokens per row
+    by_model = [expected_tokens_by_gamma(a, max_gamma) for a in model_alphas]
+    by_lookup = [expected_tokens_by_gamma(a, max_gamma) for a in lookup_alphas]
+    found = [r for r, n in enumerate(lookups) if n > 0]
+    missing = [r for r, n in enumerate(lookups) if n == 0]
+    table: dict[tuple[str, int], float] = {}
+
+    def speedup(tokens: float, seconds: float) -> float:
+        return tokens * plain / (batch * seconds)
+
+    for g in range(1, max_gamma + 1):
+        table[("model", g)] = speedup(sum(e[g] for e in by_model), g * draft + target[g] + fixed)
+        if not found:
+            continue
+        lookup_tokens = sum(by_lookup[r][min(lookups[r], g)] for r in found)
+        if g <= max(lookups[r] for r in found):  # a longer γ proposes nothing more
+            # rows without a continuation of lookup_ngram tokens may still match a shorter one: up to γ
+            width = g if missing else max(min(lookups[r], g) for r in found)
+            # the draft model reads the tokens it did not draft at its next forward: about one step more
+            table[("lookup", g)] = speedup(lookup_tokens + len(missing), draft + target[width] + fixed)
+        if missing:
+            modelled = sum(by_model[r][g] for r in missing)
+            table[("lookup+model", g)] = speedup(lookup_tokens + modelled, g * draft + target[g] + fixed)
+    return table

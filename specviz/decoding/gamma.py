@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 from specviz import theory
@@ -11,8 +11,10 @@ from specviz.config import REPLAY
 from specviz.decoding.acceptance import RunningAcceptance
 from specviz.decoding.calibration import MAX_GAMMA
 from specviz.decoding.cost import CostModel
-from specviz.decoding.expectation import speedups
-from specviz.decoding.records import Decision
+from specviz.decoding.expectation import priced_speedups, speedups
+from specviz.decoding.records import LOOKUP, MODEL, Decision
+
+LOOKUP_THEN_MODEL = "lookup+model"  # who drafts in a priced run where nothing prices it
 
 
 @dataclass(frozen=True)
@@ -26,19 +28,51 @@ class Feedback:
     examined: Mapping[int, Sequence[float]]
     draft_s: float  # time spent drafting (max(drafted) batched draft forwards)
     target_s: float  # time of the one target forward that scored them
+    drafters: Mapping[int, str] = field(default_factory=dict)  # sequence → MODEL or LOOKUP (who drafted for it)
+    # sequence → prompt lookup's acceptance samples this iteration, whoever drafted (a priced run's; see `of`)
+    lookup: Mapping[int, Sequence[float]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, gamma: int, decisions: Sequence[Decision], *, draft_s: float, target_s: float) -> Feedback:
+    def of(cls, gamma: int, decisions: Sequence[Decision], *, draft_s: float, target_s: float,
+           candidates: Mapping[int, Sequence[int]] | None = None) -> Feedback:
         """What an iteration's decisions (one per sequence, row order) tell a policy; α's samples are each
-        decision's examined_accept_probs, the one definition the trace and the figures read too."""
+        decision's examined_accept_probs, the one definition the trace and the figures read too.
+
+        `candidates`: each sequence's prompt-lookup continuation before the iteration (a priced run). Where
+        lookup drafted, its samples are its examined drafts; elsewhere, whether each candidate token equals
+        the token the iteration emitted there, up to the first that does not: every emitted token is a draw
+        from the target's p (exactness), so a one-hot proposal x matches it with probability p(x), its
+        acceptance probability. So lookup is priced from every iteration, not only from those it drafted."""
+        lookup = {}
+        for d in decisions if candidates else ():
+            if d.drafter == LOOKUP and d.gamma:
+                lookup[d.sequence] = d.examined_accept_probs
+            elif candidate := candidates.get(d.sequence):
+                emitted = d.tokens
+                hits = next((k for k, (c, e) in enumerate(zip(candidate, emitted)) if c != e),
+                            min(len(candidate), len(emitted)))
+                lookup[d.sequence] = [1.0] * hits + [0.0] * (hits < min(len(candidate), len(emitted)))
         return cls(gamma=gamma, drafted=[d.gamma for d in decisions], n_accepted=[d.n_accepted for d in decisions],
                    examined={d.sequence: d.examined_accept_probs for d in decisions}, draft_s=draft_s,
-                   target_s=target_s)
+                   target_s=target_s, drafters={d.sequence: d.drafter for d in decisions}, lookup=lookup)
+
+    def examined_by(self, drafter: str) -> dict[int, Sequence[float]]:
+        if drafter == LOOKUP and self.lookup:
+            return dict(self.lookup)
+        return {seq: probs for seq, probs in self.examined.items() if self.drafters.get(seq, MODEL) == drafter}
 
     @property
     def accept_probs(self) -> list[float]:
         """Every examined draft's min(1, p/q), all sequences together."""
         return [a for probs in self.examined.values() for a in probs]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A priced run's next iteration: γ, and who drafts (one of config.PRICED_KINDS; ignored at γ = 0)."""
+
+    gamma: int
+    kind: str
 
 
 class Policy(Protocol):
@@ -48,6 +82,11 @@ class Policy(Protocol):
 
     def current(self) -> int:
         """γ for the next iteration (0: a plain target step)."""
+        ...
+
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int]) -> Plan:
+        """A priced run's next iteration, for the live rows' sequences and the lengths of their prompt-lookup
+        continuations (0: none). Only the cost policy prices who drafts; the others keep lookup else model."""
         ...
 
     def update(self, fb: Feedback) -> None:
@@ -67,6 +106,9 @@ class _Held:
 
     def current(self) -> int:
         return self.gamma
+
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int]) -> Plan:
+        return Plan(self.current(), LOOKUP_THEN_MODEL)
 
 
 class Constant(_Held):
@@ -169,7 +211,10 @@ class CostAware:
         # costs: the run's measurements, written by the driver after each iteration and read here, in the
         # driver's thread. gamma: the first γ; None decides it from the costs (4 without any).
         self.gamma, self.costs, self.max_gamma = gamma, costs, max_gamma
-        self.acceptance = RunningAcceptance()
+        self.acceptance = RunningAcceptance()  # every draft, whoever drafted it: γ for one kind of drafter
+        # A priced run's, by who drafted. Lookup's hears from every iteration (Feedback.of); the model's only
+        # when it drafts, and it fades while the model sits out, so that it is tried again.
+        self.by_drafter = {MODEL: RunningAcceptance(), LOOKUP: RunningAcceptance()}
         self.plain_run = 0  # plain steps since the last iteration that drafted
         self.expected: tuple[int, float] | None = None  # (γ, expected speedup) of the last decision
 
@@ -182,6 +227,11 @@ class CostAware:
 
     def update(self, fb: Feedback) -> None:
         self.acceptance.add(fb.examined)
+        for drafter, acceptance in self.by_drafter.items():
+            if any((examined := fb.examined_by(drafter)).values()):
+                acceptance.add(examined)
+            else:
+                acceptance.fade()
         self.plain_run = self.plain_run + 1 if fb.gamma == 0 else 0
         if self.costs is not None and self.costs.ready:
             rows = sorted(fb.examined) or [None]
@@ -197,6 +247,22 @@ class CostAware:
             return gamma
         probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
         return probe if self.plain_run >= self.probe_after(batch, probe, table[probe]) else 0
+
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int]) -> Plan:
+        """The (who drafts, γ) with the highest expected tokens per second (expectation.priced_speedups), a
+        plain step where none beats it, and a probe of the best one now and then as `current` does."""
+        if self.costs is None or not self.costs.ready:
+            return Plan(self.current(), LOOKUP_THEN_MODEL)
+        keys = list(sequences) if len(sequences) > 1 else [None]
+        table = priced_speedups(self.costs, len(keys),
+                                [self.by_drafter[MODEL].alphas(seq, self.max_gamma) for seq in keys],
+                                [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys],
+                                lookups, self.max_gamma)
+        (kind, gamma), best = max(table.items(), key=lambda item: (item[1], -item[0][1]))
+        self.expected = (gamma, best) if best > 1.0 else (0, 1.0)
+        if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best):
+            return Plan(gamma, kind)
+        return Plan(0, "")
 
     def probe_after(self, batch: int, gamma: int, speedup: float) -> int:
         """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE. A probe
@@ -214,13 +280,17 @@ class Replay:
 
     name = REPLAY
 
-    def __init__(self, schedule: Sequence[int]):
+    def __init__(self, schedule: Sequence[int], drafters: Sequence[str] = ()):
         if not schedule:
             raise ValueError("the replay policy needs a γ schedule")
-        self.schedule, self.index = tuple(schedule), 0
+        self.schedule, self.drafters, self.index = tuple(schedule), tuple(drafters), 0
 
     def current(self) -> int:
         return self.schedule[min(self.index, len(self.schedule) - 1)]
+
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int]) -> Plan:
+        kind = self.drafters[min(self.index, len(self.drafters) - 1)] if self.drafters else LOOKUP_THEN_MODEL
+        return Plan(self.current(), kind)
 
     def update(self, fb: Feedback) -> None:
         self.index += 1
@@ -237,11 +307,12 @@ DEFAULT_POLICY = "cost"
 
 
 def make_policy(name: str, initial: int | None = None, costs: CostModel | None = None,
-                schedule: Sequence[int] = ()) -> Policy:
+                schedule: Sequence[int] = (), drafters: Sequence[str] = ()) -> Policy:
     """A fresh policy; `initial` overrides its starting γ (hf/constant/optimal: 5, bass: 7, cost: from the
-    calibrated costs); the cost-aware policy reads the run's measured costs; replay reads `schedule`."""
+    calibrated costs); the cost-aware policy reads the run's measured costs; replay reads `schedule` (and a
+    priced run's `drafters`)."""
     if name == REPLAY:
-        return Replay(schedule)
+        return Replay(schedule, drafters)
     cls = _POLICIES[name]
     kwargs = {"costs": costs} if cls is CostAware else {}
     return cls(**kwargs) if initial is None else cls(initial, **kwargs)

@@ -4,7 +4,8 @@ A proposer turns each row's tokens so far into up to cap[r] drafted tokens and t
 drawn from. Verification stays exact for any proposer whose logits are the distribution its tokens were
 drawn from (a deterministic proposal has one-hot logits: speculative sampling keeps such a token with
 probability p(x)); a poor proposal costs scored tokens, never exactness. A new kind is one class with
-`kind`, `uses_draft_model` and `propose`, listed in PROPOSERS (and in config.DRAFT_KINDS).
+`kind`, `uses_draft_model` and `propose`, listed in PROPOSERS (and in config.DRAFT_KINDS). The kind "priced" is
+no class of its own: the cost policy picks one of the others at each iteration (gamma.CostAware.plan).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from specviz.config import SpecConfig
+from specviz.config import PRICED, PRICED_KINDS, SpecConfig
 from specviz.decoding.decoder import PAD_ID, SlottedDecoder
 from specviz.decoding.drafts import lookup, one_hot_logits
 from specviz.decoding.records import LOOKUP, MODEL
@@ -183,9 +184,11 @@ def _kind(name: str) -> type[Proposer]:
 
 def uses_draft_model(kind: str) -> bool:
     """Whether draft kind `kind` needs the draft model opened."""
-    return _kind(kind).uses_draft_model
+    return kind == PRICED or _kind(kind).uses_draft_model
 
 
-def make_proposer(setup: DraftSetup) -> Proposer:
-    """The proposer of setup.cfg.draft_kind."""
-    return _kind(setup.cfg.draft_kind)(setup)
+def make_proposers(setup: DraftSetup) -> dict[str, Proposer]:
+    """The proposer of setup.cfg.draft_kind by its kind; for "priced", every kind a priced run chooses among
+    (the γ policy's plan picks one per iteration; they share the draft model's decoder)."""
+    kinds = PRICED_KINDS if setup.cfg.draft_kind == PRICED else (setup.cfg.draft_kind,)
+    return {kind: _kind(kind)(setup) for kind in kinds}

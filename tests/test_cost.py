@@ -20,7 +20,7 @@ from specviz.decoding.acceptance import RunningAcceptance
 from specviz.decoding.calibration import CALIBRATION_TOKENS, MAX_GAMMA, calibrate
 from specviz.decoding.cost import CostModel
 from specviz.decoding.expectation import best_gamma, break_even_alpha, expected_speedup, speedups
-from specviz.decoding.gamma import CostAware, Feedback
+from specviz.decoding.gamma import CostAware, Feedback, Plan
 from specviz.models.loading import ModelPair
 from specviz.models.prompt_cache import PromptCache
 from specviz.decoding.records import BONUS, RESAMPLED, TARGET
@@ -259,11 +259,14 @@ class Scripted:
 
     name = "scripted"
 
-    def __init__(self, script: list[int]):
-        self.script, self.i = script, 0
+    def __init__(self, script: list[int], kinds: list[str] = ()):
+        self.script, self.kinds, self.i = script, list(kinds), 0
 
     def current(self) -> int:
         return self.script[min(self.i, len(self.script) - 1)]
+
+    def plan(self, sequences, lookups) -> Plan:  # a priced run: who drafts, from the script too
+        return Plan(self.current(), self.kinds[min(self.i, len(self.kinds) - 1)] if self.kinds else "lookup+model")
 
     def update(self, fb) -> None:
         self.i += 1
@@ -366,6 +369,67 @@ def test_runs_mixing_plain_and_speculative_steps_follow_the_target(small_vocab_p
             counts[out[1] if len(out) > 1 else GOF_V] += 1
         kinds |= {d.next_kind for d in trace.decisions()}
     assert {TARGET, RESAMPLED} <= kinds
+    assert (failure := gof_failure(counts, p, alpha)) is None, failure
+
+
+def _priced_policy(draft_s: float, model_alpha: float, lookup_alpha: float) -> CostAware:
+    """A cost policy on a fixed table (target 10 ms + 1 ms per extra token) that has seen 30 iterations in
+    which the model's drafts passed with model_alpha and lookup's candidates with lookup_alpha."""
+    costs = CostModel()
+    for m in CALIBRATION_TOKENS:
+        costs.set_target(1, m, 0.010 + 0.001 * (m - 1))
+    costs.set_plain(1, 0.010)
+    costs.set_draft(1, draft_s)
+    policy = CostAware(costs=costs)
+    for _ in range(30):
+        policy.by_drafter["model"].add({0: [model_alpha] * 3})
+        policy.by_drafter["lookup"].add({0: [lookup_alpha] * 3})
+    return policy
+
+
+def test_the_priced_plan_names_who_drafts_by_expected_tokens_per_second():
+    # a continuation that passes more often than the model's drafts, and costs no draft forward: lookup
+    assert _priced_policy(0.003, 0.6, 0.9).plan([0], [8]).kind == "lookup"
+    # a continuation that rarely passes against a good, cheap draft: the model
+    assert _priced_policy(0.001, 0.9, 0.1).plan([0], [8]).kind == "model"
+    # no continuation found: lookup is not on offer
+    assert _priced_policy(0.003, 0.6, 0.9).plan([0], [0]).kind == "model"
+    # a draft that costs more than the target and no continuation: a plain step
+    plain = _priced_policy(0.05, 0.5, 0.9)
+    assert plain.plan([0], [0]) == Plan(0, "")
+    # with a found continuation a plain step is not the best any more: lookup costs no draft
+    assert plain.plan([0], [8]).kind == "lookup"
+
+
+PRICED_SCRIPTS = {"plain-then-lookup": ([0, 2], ["", "lookup"]), "lookup-then-model": ([1, 2], ["lookup", "model"]),
+                  "model-then-lookup": ([1, 2], ["model", "lookup"])}
+
+
+@pytest.mark.parametrize("script", list(PRICED_SCRIPTS))
+def test_priced_runs_mixing_proposers_follow_the_target(small_vocab_pair, script, monkeypatch):
+    """Draft kind "priced" with who drafts changing between iterations (prompt lookup's one-hot q, the draft
+    model catching up on tokens it did not draft, plain steps): the second token of a sampled run (T = 1)
+    follows the target's two-token marginal. The prompt ends in a 2-gram that recurs, so lookup proposes.
+    Sample size: enough to detect TV 0.06 with power 0.99 at level FAMILY_ALPHA / 3 (three cases)."""
+    sampling = SamplingConfig(temperature=1.0)
+    prompt = [5, 17, 9, 30, 5, 17]
+    p = _second_token_probs(small_vocab_pair, prompt, sampling)
+    alpha = FAMILY_ALPHA / 3
+    n = samples_to_detect_tv(GOF_TV, int((p > 0).sum()) - 1, alpha, POWER)
+    gammas, kinds = PRICED_SCRIPTS[script]
+    monkeypatch.setattr(engine, "make_policy", lambda *a, **k: Scripted(gammas, kinds))
+    batch = 64
+    counts = np.zeros(GOF_V + 1, dtype=np.int64)
+    drafters = set()
+    for seed in range(-(-n // batch)):
+        cfg = SpecConfig(mode="exact", sampling=sampling, max_new_tokens=2, seed=seed, explain_top=0,
+                         draft_kind="priced")
+        source = TextSource(small_vocab_pair, prompt_sequences([("p", prompt)], batch, cfg))
+        trace = run(source, cfg, batch_size=batch)
+        for out in trace.outputs:
+            counts[out[1] if len(out) > 1 else GOF_V] += 1
+        drafters |= {d.drafter for d in trace.decisions() if d.gamma}
+    assert drafters == ({"lookup"} if script == "plain-then-lookup" else {"lookup", "model"})
     assert (failure := gof_failure(counts, p, alpha)) is None, failure
 
 

@@ -8,6 +8,8 @@ seeds, with the sample size and tolerance stated as in test_verify_statistics).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import numpy as np
@@ -111,6 +113,7 @@ CASES = {
     "lookup+model": dict(draft_kind="lookup+model", lookup_ngram=2),
     "subset head": dict(draft_vocab=3000),
     "lookup+model, subset head": dict(draft_kind="lookup+model", lookup_ngram=1, draft_vocab=3000),
+    "priced (cost policy)": dict(draft_kind="priced", gamma_policy="cost", gamma_init=None),
 }
 
 
@@ -119,12 +122,13 @@ CASES = {
 def test_greedy_equality_with_each_draft(tiny_pair, repeating_alone, mode, case):
     """Each prompt alone and the three as one ragged batch: every output equals target-only's."""
     prompts = _repeating_prompts()
-    cfg = SpecConfig(mode=mode, max_new_tokens=MAX_NEW, gamma_policy="constant", gamma_init=4, **CASES[case])
+    cfg = dataclasses.replace(SpecConfig(mode=mode, max_new_tokens=MAX_NEW, gamma_policy="constant", gamma_init=4),
+                              **CASES[case])
     alone = [decode(tiny_pair, [p], cfg).outputs[0] for p in prompts]
     batched = decode(tiny_pair, prompts, cfg)
     assert alone == repeating_alone and batched.outputs == repeating_alone
     drafters = {d.drafter for d in batched.decisions()}
-    if "lookup" in case:
+    if "lookup" in case:  # a priced run's mix follows this machine's measured costs: equality is what it owes
         assert LOOKUP in drafters
         assert any(REJECTED in d.outcome for d in batched.decisions() if d.drafter == LOOKUP)
     if case == "lookup+model" or "subset" in case:
@@ -139,13 +143,13 @@ def test_greedy_equality_with_each_draft(tiny_pair, repeating_alone, mode, case)
 
 def test_every_draft_kind_has_one_proposer():
     """The driver knows no kinds: each SpecConfig.draft_kind maps to one Proposer class, which says whether
-    the driver must open a draft model for it."""
-    from specviz.config import DRAFT_KINDS
+    the driver must open a draft model for it; "priced" is the cost policy's choice among them each iteration."""
+    from specviz.config import DRAFT_KINDS, PRICED, PRICED_KINDS
     from specviz.decoding.proposers import PROPOSERS, LookupThenModel, ModelDraft, PromptLookup, uses_draft_model
 
-    assert sorted(PROPOSERS) == sorted(DRAFT_KINDS)
+    assert sorted(PROPOSERS) == sorted(set(DRAFT_KINDS) - {PRICED}) == sorted(PRICED_KINDS)
     assert PROPOSERS == {"model": ModelDraft, "lookup": PromptLookup, "lookup+model": LookupThenModel}
-    assert [uses_draft_model(k) for k in ("model", "lookup", "lookup+model")] == [True, False, True]
+    assert [uses_draft_model(k) for k in ("model", "lookup", "lookup+model", PRICED)] == [True, False, True, True]
     with pytest.raises(ValueError, match="unknown draft kind 'ngram'"):
         uses_draft_model("ngram")
 

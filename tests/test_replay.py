@@ -11,7 +11,7 @@ import pytest
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.decoding import engine
 from specviz.decoding.cost import CostModel
-from specviz.runs.replay import replaying, rerun_request, schedule, schedule_file
+from specviz.runs.replay import Schedule, replaying, rerun_request, schedule, schedule_file
 from specviz.runs.settings import Settings
 from specviz.text.prompts import InputError
 
@@ -41,17 +41,17 @@ def test_a_sampled_cost_run_repeats_on_its_schedule_under_another_cost_table(tin
     monkeypatch.setattr(engine, "calibrate", _table(draft_s=0.001, target_s=0.01))  # drafting is cheap here
     original = decode(tiny_pair, [prompt_ids], SAMPLED)
     gammas = schedule(original)
-    assert len(set(gammas)) > 1 or gammas[0] > 0, gammas  # the policy drafted
+    assert len(set(gammas.gammas)) > 1 or gammas.gammas[0] > 0, gammas  # the policy drafted
 
     monkeypatch.setattr(engine, "calibrate", _table(draft_s=0.05, target_s=0.01))  # and dear on "another machine"
     again = decode(tiny_pair, [prompt_ids], replaying(SAMPLED, gammas))
-    assert again.config["gamma_policy"] == "replay" and tuple(again.config["gamma_schedule"]) == gammas
+    assert again.config["gamma_policy"] == "replay" and tuple(again.config["gamma_schedule"]) == gammas.gammas
     assert schedule(again) == gammas
     assert again.outputs == original.outputs
     assert _decisions(again) == _decisions(original)
 
     # the schedule is what repeats it: the same seed on another schedule draws and decides otherwise
-    other = tuple(min(8, g + 1) for g in gammas)
+    other = Schedule(tuple(min(8, g + 1) for g in gammas.gammas))
     moved = decode(tiny_pair, [prompt_ids], replaying(SAMPLED, other))
     assert _decisions(moved) != _decisions(original)
 
@@ -87,3 +87,23 @@ def test_what_cannot_be_replayed_is_refused(tiny_pair, prompt_ids, tmp_path):
         speculative, meta={**speculative.meta, "task": "summarize", "input": "an article",
                            "page_settings": Settings(max_new_tokens=8).to_dict()}))
     assert (settings.max_new_tokens, article, gammas) == (8, "an article", schedule(speculative))
+
+
+def test_a_priced_run_repeats_who_drafted_under_another_cost_table(tiny_pair, monkeypatch):
+    """Draft kind "priced": the cost policy chose lookup, the model or both at each iteration from measured
+    time; the trace's schedule carries those choices and the run repeats decision for decision."""
+    prompts = [[5, 9, 13, 2, 7, 5, 9, 13, 2, 7, 5, 9], [3, 4, 8, 3, 4, 8, 3, 4]]
+    cfg = dataclasses.replace(SAMPLED, draft_kind="priced", max_new_tokens=20)
+    monkeypatch.setattr(engine, "calibrate", _table(draft_s=0.004, target_s=0.01))
+    original = decode(tiny_pair, prompts, cfg)
+    plan = schedule(original)
+    assert len(plan.drafters) == len(plan.gammas) == len(original.steps)
+    assert {"lookup", "model"} & set(plan.drafters), plan  # it drafted, by more than plain steps
+
+    monkeypatch.setattr(engine, "calibrate", _table(draft_s=0.05, target_s=0.01))
+    again = decode(tiny_pair, prompts, replaying(cfg, plan))
+    assert again.config["drafter_schedule"] == list(plan.drafters)
+    assert again.outputs == original.outputs and _decisions(again) == _decisions(original)
+    assert [d.drafter for d in again.decisions()] == [d.drafter for d in original.decisions()]
+    with pytest.raises(ValueError, match="drafter schedule"):
+        SpecConfig(draft_kind="model", gamma_policy="replay", gamma_schedule=(1,), drafter_schedule=("lookup",))

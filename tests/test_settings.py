@@ -62,7 +62,8 @@ def test_every_cli_flag_is_its_declaration(command):
 
 
 def test_settings_cover_every_user_facing_config_field():
-    resolved = {f.name for f in dataclasses.fields(SpecConfig)} - {"sampling", "explain_top", "gamma_schedule"}
+    resolved = {f.name for f in dataclasses.fields(SpecConfig)} - {"sampling", "explain_top", "gamma_schedule",
+                                                                    "drafter_schedule"}
     assert resolved <= set(settings.FIELDS)
     assert {"temperature", "top_k", "top_p", "decoding"} <= set(settings.FIELDS)  # what `sampling` is made of
 

@@ -34,7 +34,7 @@ from specviz.figures.plots import (acceptance_figure, batch_figure, gamma_figure
 from specviz.models.loading import Progress
 from specviz.text.prompts import InputError, check_article_size
 from specviz.decoding.records import Iteration, Prefilling
-from specviz.runs.replay import replaying
+from specviz.runs.replay import Schedule, replaying
 from specviz.runs.decode import builder_for, records
 from specviz.page.sessions import ModelCache, StopFlag
 from specviz.runs.settings import TEXT, Settings, declaration
@@ -164,7 +164,7 @@ def _source(models: ModelCache, task: str, source_input: str | None, settings: S
 
 
 def stream_run(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
-               stop: StopFlag, gamma_schedule: tuple[int, ...] = ()) -> Iterator[Frame]:
+               stop: StopFlag, gamma_schedule: Schedule | None = None) -> Iterator[Frame]:
     """One run of the page: text (source_input is the article) or speech (a path to the audio); on a trace's
     γ schedule when one is given (specviz.runs.replay)."""
     cfg = settings.spec(task)

@@ -28,7 +28,7 @@ from specviz.evaluation.figures import tradeoff_figure, verify_gamma_figure
 from specviz.evaluation.results import Results, ResultsError, load_results, summarize, table1, table2
 from specviz.evaluation.run import Models, ResultsFile, SweepProgress, run_serial
 from specviz.text.prompts import ASSETS, InputError
-from specviz.runs.replay import rerun_request
+from specviz.runs.replay import Schedule, rerun_request
 from specviz.runs.settings import TEXT, Settings, page_names
 from specviz.runs.tasks import SUMMARIZE, TASKS, TRANSCRIBE, task_of, task_of_kind
 from specviz.evaluation.sweep import Grid
@@ -130,7 +130,7 @@ def _source_input(values: Values) -> str | None:
     return values[task.input_key] if task is not None else None
 
 
-def run(server: Server, values: Values, caller: Caller, gamma_schedule: tuple[int, ...] = ()) -> Iterator[Updates]:
+def run(server: Server, values: Values, caller: Caller, gamma_schedule: Schedule | None = None) -> Iterator[Updates]:
     """Decode the input with the settings, streaming the trace; then measure target-only for the speedup
     (reused when an identical run measured it). Any failure is shown in the status line. With a γ schedule,
     γ is read from it (rerun) instead of chosen by the policy."""

@@ -249,6 +249,13 @@ def test_summary_and_page_say_which_draft_ran(tiny_pair):
     alone = decode(tiny_pair, prompts, SpecConfig(draft_kind="lookup", max_new_tokens=20))
     assert alone.summary()["lookup_share"] == 1 and alone.summary()["cost_ratio"] is None
     assert "measured c = " not in summary_markdown(alone) and "draft head" not in summary_markdown(alone)
+    # the γ figure marks who drafted each iteration
+    from specviz.figures.plots import gamma_figure
+    names = {t.name for t in gamma_figure(mixed).data}
+    assert names & {"drafted by prompt lookup", "by both (rows differ)"}  # lookup drafted somewhere
+    assert names & {"drafted by the model", "by both (rows differ)"}  # and the model
+    priced = decode(tiny_pair, prompts, SpecConfig(draft_kind="priced", max_new_tokens=20))
+    assert "whichever the cost policy priced best" in summary_markdown(priced)
 
 
 def test_bad_draft_settings_get_clear_messages(tmp_path):

@@ -278,10 +278,12 @@ def test_every_axis_of_every_figure_has_a_title(exact):
 
 
 def test_gamma_line_sits_on_its_bars(exact):
-    bars, line = gamma_figure(exact).data
+    bars, line, *markers = gamma_figure(exact).data
     assert list(bars.x) == list(line.x) == [0, 1]
     assert list(line.y) == [4, 2] and list(bars.y) == [1, 2]
     assert line.line.shape == "hvh"
+    # who drafted, a marker on each iteration's γ: here the model both times
+    assert [(m.name, list(m.x), list(m.y)) for m in markers] == [("drafted by the model", [0, 1], [4, 2])]
 
 
 def test_acceptance_explains_alpha_and_rate(exact):

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from specviz import speedup
+from specviz.config import PRICED
 from specviz.traces.prediction import predict, sentence
 from specviz.speedup import Speedup
 from specviz.traces.trace import Trace, json_number
@@ -182,7 +183,8 @@ def draft_line(trace: Trace, s: dict[str, Any]) -> str:
     config = trace.config
     kind = str(config.get("draft_kind", "model"))
     vocab, size = number(trace.meta, "vocab_size"), number(trace.meta, "draft_vocab_size")
-    parts = [f"drafted by {html.escape(kind)[:40]}"]
+    parts = ["drafted, at each iteration, by whichever the cost policy priced best (prompt lookup, the draft model, "
+             "both, or none: a plain step)" if kind == PRICED else f"drafted by {html.escape(kind)[:40]}"]
     if s.get("lookup_share") and kind != "lookup":
         parts.append(f"prompt lookup drafted {100 * s['lookup_share']:.0f}% of the proposals")
     if kind != "lookup" and size is not None and vocab is not None:

@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from specviz.decoding.expectation import break_even_alpha
+from specviz.decoding.calibration import CALIBRATION_TOKENS
+from specviz.decoding.records import DRAFTERS, MODEL
 from specviz.theory import expected_tokens_by_position
 from specviz.traces.trace import Trace
 
@@ -51,15 +53,24 @@ def predict(trace: Trace) -> Prediction | None:
     alphas = trace.alpha_by_position()
     if costs is None or not costs.ready or not drafting or not alphas:
         return None
-    by_step: dict[int, list[int]] = {}
+    # where a run mixes proposers, each row's drafts are priced with its own drafter's α, and an iteration
+    # that only prompt lookup drafted costs no draft step but the model's later reading of what it kept
+    # (as expectation.priced_speedups prices it)
+    by_drafter = {who: trace.alpha_by_position(who) or alphas for who in DRAFTERS}
+    catches_up = any(d.drafter == MODEL for d in trace.drafted())
+    by_step: dict[int, list[tuple[int, str]]] = {}
     for d in trace.decisions():
-        by_step.setdefault(d.step, []).append(d.gamma)
+        by_step.setdefault(d.step, []).append((d.gamma, d.drafter))
     spec_s = target_only_s = predicted_tokens = 0.0
     for step in trace.steps:
         batch = len(step.sequences)
         rows = by_step.get(step.index, [])
-        tokens = sum(expected_tokens_by_position(alphas, g) if g else 1.0 for g in rows)
+        tokens = sum(expected_tokens_by_position(by_drafter[who], g) if g else 1.0 for g, who in rows)
         spec_s += costs.iteration_s(batch, step.gamma)
+        if step.gamma and not any(who == MODEL for _, who in rows):  # prompt lookup alone
+            read = min(CALIBRATION_TOKENS[-1], max(1, round(tokens / batch)))
+            spec_s -= step.gamma * costs.draft_s(batch)
+            spec_s += catches_up * costs.draft_s(batch) * costs.target_s(batch, read) / costs.target_s(batch, 1)
         target_only_s += tokens * costs.plain_s(batch) / batch
         if step.gamma > 0:
             predicted_tokens += tokens / batch

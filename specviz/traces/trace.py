@@ -197,12 +197,15 @@ class Trace:
                  for a in d.examined_accept_probs]
         return sum(probs) / len(probs) if probs else None
 
-    def alpha_by_position(self) -> list[float]:
+    def alpha_by_position(self, drafter: str | None = None) -> list[float]:
         """α at draft position k (0-based): the mean of min(1, p/q) over the drafts examined there, i.e. the
-        chance of passing k once 0..k-1 passed. Ends at the last position any draft was examined."""
+        chance of passing k once 0..k-1 passed. Ends at the last position any draft was examined. `drafter`:
+        only the drafts of MODEL or LOOKUP (a run that mixes them)."""
         sums: list[float] = []
         counts: list[int] = []
         for d in self.drafted():
+            if drafter is not None and d.drafter != drafter:
+                continue
             for k, a in enumerate(d.examined_accept_probs):
                 if k == len(sums):
                     sums.append(0.0)

@@ -71,8 +71,10 @@ class DraftDefaults:
 
 
 # text: the draft's head over the 32,768 first token ids (+ specials and the prompt's tokens): on the 4-bit CPU
-# draft the full head is ~4 of its ~22 ms; measured 1.16× → 1.21-1.23× end to end (docs/benchmarks.md)
-TEXT_DRAFT = DraftDefaults(draft_kind="model", draft_vocab=32768, lookup_ngram=2)
+# draft the full head is ~4 of its ~22 ms; measured 1.16× → 1.21-1.23× end to end (docs/benchmarks.md). Who
+# drafts is priced each iteration: against the draft model alone it measured 1.50 → 1.90×, 1.90 → 2.31× and
+# 1.11 → 1.23× greedy on three articles, 1.27 → 1.36×, 1.20 → 1.58× and 1.20 → 1.19× at T = 0.8.
+TEXT_DRAFT = DraftDefaults(draft_kind=PRICED, draft_vocab=32768, lookup_ngram=2)
 SPEECH_DRAFT = DraftDefaults(draft_kind="model", draft_vocab=0, lookup_ngram=2)
 
 

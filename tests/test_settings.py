@@ -73,7 +73,7 @@ def test_cli_defaults_resolve_as_documented():
     text = Settings.from_args(args).spec(TEXT)
     assert text == SpecConfig(mode="exact", sampling=SamplingConfig(), gamma_policy="cost", gamma_init=None,
                               max_new_tokens=128, seed=0, lenience=1.0, draft_confidence=0.0,
-                              sigmoid_alpha=-1e4, sigmoid_beta=1e4, draft_kind="model", lookup_ngram=2, draft_vocab=32768)
+                              sigmoid_alpha=-1e4, sigmoid_beta=1e4, draft_kind="priced", lookup_ngram=2, draft_vocab=32768)
     speech = Settings.from_args(cli.build_parser().parse_args(["transcribe", "x.wav"])).spec(SPEECH)
     assert (speech.sigmoid_alpha, speech.sigmoid_beta, speech.gamma_policy) == (-1e3, 1e3, "cost")
 

@@ -254,8 +254,11 @@ def test_summary_and_page_say_which_draft_ran(tiny_pair):
     names = {t.name for t in gamma_figure(mixed).data}
     assert names & {"drafted by prompt lookup", "by both (rows differ)"}  # lookup drafted somewhere
     assert names & {"drafted by the model", "by both (rows differ)"}  # and the model
-    priced = decode(tiny_pair, prompts, SpecConfig(draft_kind="priced", max_new_tokens=20))
+    from specviz.traces.prediction import predict, sentence
+    assert "Prompt lookup drafted 100% of the drafting iterations" in sentence(predict(alone))  # why it paid
+    priced = decode(tiny_pair, prompts, SpecConfig(draft_kind="priced", gamma_policy="cost", max_new_tokens=20))
     assert "whichever the cost policy priced best" in summary_markdown(priced)
+    assert "γ and who drafted followed this machine's measured call costs" in summary_markdown(priced)
 
 
 def test_bad_draft_settings_get_clear_messages(tmp_path):

@@ -106,3 +106,28 @@ def test_theory_formulas():
     assert theory.walltime_factor(0.5, 2, 0.0) == pytest.approx(1.75)
     # Leviathan Table: α = 0.8, c = 0.05 gives optimal γ around 7-8 (their Figure 3)
     assert theory.optimal_gamma(0.8, 0.05) in (7, 8)
+
+
+def _decided(sequence: int, drafted: list[int], accepted: int, next_id: int, drafter: str = "model"):
+    from specviz.decoding.records import ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, Decision
+
+    g = len(drafted)
+    outcome = [ACCEPTED] * accepted + ([REJECTED] if accepted < g else []) + [DISCARDED] * max(0, g - accepted - 1)
+    return Decision(step=0, sequence=sequence, gamma=g, draft_ids=drafted, draft_text=[""] * g, q=[1.0] * g,
+                    p=[0.6] * g, accept_prob=[0.6] * g, uniform=[0.5] * g, outcome=outcome, n_accepted=accepted,
+                    next_id=next_id, next_text="", next_kind=BONUS if accepted == g else RESAMPLED,
+                    emitted=accepted + 1, drafter=drafter)
+
+
+def test_lookup_learns_from_iterations_it_did_not_draft():
+    """A priced run's lookup samples: where the model drafted, whether lookup's candidate matched the emitted
+    tokens (up to the first miss); where lookup drafted, its own examined drafts; no candidate, no sample."""
+    decisions = [_decided(0, [7, 8, 9], 2, 4),  # emitted 7 8 4: the candidate 7 8 5 hits twice, then misses
+                 _decided(1, [3], 1, 6),  # emitted 3 6: the candidate 3 6 2 matches all that was emitted
+                 _decided(2, [1, 2], 0, 9, drafter="lookup"),  # lookup drafted: its examined drafts
+                 _decided(3, [5], 1, 5)]  # no candidate
+    fb = Feedback.of(2, decisions, draft_s=0.01, target_s=0.02, candidates={0: [7, 8, 5], 1: [3, 6, 2], 2: [1, 2]})
+    assert fb.lookup == {0: [1.0, 1.0, 0.0], 1: [1.0, 1.0], 2: [0.6]}
+    assert fb.examined_by("lookup") == fb.lookup
+    assert fb.examined_by("model") == {0: [0.6, 0.6, 0.6], 1: [0.6], 3: [0.6]}
+    assert Feedback.of(2, decisions, draft_s=0.01, target_s=0.02).lookup == {}  # not a priced run

@@ -45,9 +45,12 @@ class Feedback:
         acceptance probability. So lookup is priced from every iteration, not only from those it drafted."""
         lookup = {}
         for d in decisions if candidates else ():
+            candidate = candidates.get(d.sequence)
+            if not candidate:  # lookup's α is priced given a continuation; a row without one teaches nothing
+                continue
             if d.drafter == LOOKUP and d.gamma:
                 lookup[d.sequence] = d.examined_accept_probs
-            elif candidate := candidates.get(d.sequence):
+            else:
                 emitted = d.tokens
                 hits = next((k for k, (c, e) in enumerate(zip(candidate, emitted)) if c != e),
                             min(len(candidate), len(emitted)))
@@ -211,7 +214,7 @@ class CostAware:
         # costs: the run's measurements, written by the driver after each iteration and read here, in the
         # driver's thread. gamma: the first γ; None decides it from the costs (4 without any).
         self.gamma, self.costs, self.max_gamma = gamma, costs, max_gamma
-        self.acceptance = RunningAcceptance()  # every draft, whoever drafted it: γ for one kind of drafter
+        self.acceptance = RunningAcceptance()  # every draft, whoever drafted it: what `current` prices γ with
         # A priced run's, by who drafted. Lookup's hears from every iteration (Feedback.of); the model's only
         # when it drafts, and it fades while the model sits out, so that it is tried again.
         self.by_drafter = {MODEL: RunningAcceptance(), LOOKUP: RunningAcceptance()}

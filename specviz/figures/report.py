@@ -167,11 +167,15 @@ def summary_markdown(trace: Trace) -> str:
         lines.append(f"the target's linear layers: {weights['target_weights']} · the draft's: {weights['draft_weights']}")
     if "alpha" in s:
         lines.append(draft_line(trace, s))
+    priced = trace.config.get("draft_kind") == PRICED
     if trace.config.get("gamma_policy") == "cost":
-        lines.append("γ followed this machine's measured call costs (the cost policy), so the same seed can take other "
-                     "γs elsewhere; the trace keeps every γ, and “Run the loaded trace again exactly” repeats the run.")
+        what = "γ and who drafted" if priced else "γ"
+        lines.append(f"{what} followed this machine's measured call costs (the cost policy), so the same seed can "
+                     f"take other choices elsewhere; the trace keeps every one, and “Run the loaded trace again "
+                     "exactly” repeats the run.")
     elif trace.config.get("gamma_policy") == "replay":
-        lines.append("γ was read from a trace's schedule (a run decoded again exactly), not chosen by a policy.")
+        lines.append(("γ and who drafted were" if priced else "γ was") + " read from a trace's schedule (a run decoded "
+                     "again exactly), not chosen by a policy.")
     if s.get("explain_s"):
         lines.append(f"Recording the distributions for “why?” took {s['explain_s']:.2f} s, left out of every time above.")
     # the cards as a block of their own, the sentences as the paragraph after them

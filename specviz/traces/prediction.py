@@ -30,6 +30,7 @@ class Prediction:
     break_even: float | None  # the α at which that γ neither gains nor loses; None: no α pays
     plain_share: float  # share of iterations that were plain target steps (γ = 0)
     batch: int
+    lookup_share: float = 0.0  # share of drafting iterations that prompt lookup alone drafted (no draft step)
 
     @property
     def verdict(self) -> str:
@@ -95,6 +96,8 @@ def predict(trace: Trace) -> Prediction | None:
         break_even=break_even_alpha(costs, batch, gamma),
         plain_share=1 - len(drafting) / len(trace.steps),
         batch=batch,
+        lookup_share=sum(1 for st in drafting if all(who != MODEL for _, who in by_step.get(st.index, [])))
+        / len(drafting),
     )
 
 
@@ -117,6 +120,9 @@ def sentence(p: Prediction) -> str:
     else:
         text += (f" γ = {p.gamma} pays from α ≈ {p.break_even:.2f} (this run: α ≈ {p.alphas[0]:.2f} at the first "
                  f"position).")
+    if p.lookup_share:
+        text += (f" Prompt lookup drafted {100 * p.lookup_share:.0f}% of the drafting iterations, with no draft "
+                 "step to pay.")
     if p.plain_share:
         text += (f" The cost-aware policy stepped plainly (γ = 0) in {100 * p.plain_share:.0f}% of iterations, "
                  f"where no γ was expected to pay.")

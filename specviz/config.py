@@ -137,10 +137,14 @@ class SpecConfig:
             raise ValueError("a γ schedule goes with the replay policy, and the replay policy needs one")
         if any(not isinstance(g, int) or not 0 <= g <= 64 for g in self.gamma_schedule):
             raise ValueError("a γ schedule holds whole numbers from 0 to 64, one per iteration")
-        if self.drafter_schedule and (self.draft_kind != PRICED or len(self.drafter_schedule) != len(self.gamma_schedule)
-                                      or any(k not in ("", *PRICED_KINDS) for k in self.drafter_schedule)):
+        if self.gamma_policy == REPLAY and self.draft_kind == PRICED and not self.drafter_schedule:
+            raise ValueError("a priced run is replayed with its drafter schedule (who drafted at each iteration)")
+        if self.drafter_schedule and (
+                self.draft_kind != PRICED or len(self.drafter_schedule) != len(self.gamma_schedule)
+                or any((k == "") != (g == 0) or k not in ("", *PRICED_KINDS)
+                       for k, g in zip(self.drafter_schedule, self.gamma_schedule))):
             raise ValueError("a drafter schedule goes with a priced run's γ schedule: one of "
-                             f"{', '.join(PRICED_KINDS)} (or nothing, at a plain step) per iteration")
+                             f"{', '.join(PRICED_KINDS)} per iteration that drafted, nothing at a plain step")
         if self.gamma_init is not None and self.gamma_init < 1:
             raise ValueError(f"initial γ must be >= 1, got {self.gamma_init}")
         if self.max_new_tokens < 1:

@@ -165,6 +165,11 @@ def test_prompt_lookup_proposes_for_every_row():
     (proposer,) = make_proposers(setup).values()
     proposal = proposer.propose([[1, 2, 3, 1, 2], [4, 5, 6]], [3, 3])
     assert proposal.tokens == [[3, 1, 2], [6]] and proposal.drafters == [LOOKUP, LOOKUP]
+    # the --lookup-ngram match first (what lookup+model and a priced run's plan see), then the shorter ones
+    history = [1, 2, 3, 4, 10, 11, 7, 2, 3, 4, 12, 13, 1, 2, 3, 4]
+    setup = dataclasses.replace(setup, cfg=SpecConfig(draft_kind="lookup", lookup_ngram=4))
+    (proposer,) = make_proposers(setup).values()
+    assert proposer.propose([history], [2]).tokens == [[10, 11]]  # a 3-gram alone would continue with 12 13
     assert proposal.lengths == [3, 1] and proposal.width == 3 and proposal.model_forwards == 0
     assert torch.equal(proposal.logits, one_hot_logits([[3, 1, 2], [6]], 3, 16, torch.device("cpu")))
     assert proposal.padded(torch.device("cpu")).tolist() == [[3, 1, 2], [6, 0, 0]]
@@ -259,6 +264,8 @@ def test_summary_and_page_say_which_draft_ran(tiny_pair):
     priced = decode(tiny_pair, prompts, SpecConfig(draft_kind="priced", gamma_policy="cost", max_new_tokens=20))
     assert "whichever the cost policy priced best" in summary_markdown(priced)
     assert "γ and who drafted followed this machine's measured call costs" in summary_markdown(priced)
+    unpriced = decode(tiny_pair, prompts[:1], SpecConfig(draft_kind="priced", gamma_policy="hf", max_new_tokens=8))
+    assert "priced by no policy" in summary_markdown(unpriced)  # only the cost policy prices who drafts
 
 
 def test_bad_draft_settings_get_clear_messages(tmp_path):

@@ -18,8 +18,9 @@ def _parallel_op() -> None:
     torch.randn(1 << 22).exp_()  # large enough for torch to open a parallel region
 
 
-needs_a_team = pytest.mark.skipif(torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"),
-                                  reason="needs two or more torch threads and /proc")
+needs_a_team = pytest.mark.skipif(torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task")
+                                  or openmp._runtime() is None,
+                                  reason="needs two or more torch threads, /proc and libgomp with OpenMP 5.0's pause")
 
 
 def _in_thread(work) -> list[int]:

@@ -37,10 +37,11 @@ def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=200, gamma_policy="constant", gamma_init=2)
     stop = sessions.StopFlag()
     seen = []
-    for trace, done, _, _ in page._streamed(source, cfg, {}, stop):
-        seen.append(len(trace.steps))
-        stop.stop("test")  # at the first frame, drawn at the first iteration
-    assert done and trace.meta["stopped"] is True
+    for trace, done, _, reading in page._streamed(source, cfg, {}, stop):
+        if reading is None and not done:  # the first frame of the decoding, drawn at its first iteration
+            seen.append(len(trace.steps))
+            stop.stop("test")
+    assert done and trace.meta["stopped"] is True and seen and seen[0] >= 1
     assert len(trace.steps) <= seen[0] + 1 and trace.new_tokens < 200  # at most the iteration in flight finishes
     loads_trace(json.dumps(trace.to_dict()))  # the partial trace is a valid, exportable trace
 
@@ -67,6 +68,7 @@ def test_a_streamed_run_draws_text_often_and_plots_on_a_budget(tiny_pair, prompt
     assert frames[0][3] and frames[-1][2] and frames[-1][3] and not any(done for _, _, done, _ in frames[:-1])
     growing = [frames[i][1] for i in range(len(frames) - 1)]
     assert growing == sorted(growing) and frames[-1][1] == len(frame.trace.steps) > 0
+    assert len(frames) >= 3, "the run must be long enough for the gaps between frames to be checked"
     gaps = [b[0] - a[0] for a, b in zip(frames, frames[1:-1])]
     assert all(gap >= page.MIN_TEXT_GAP_S for gap in gaps)
     plotted = [at for at, _, done, plots in frames if plots and not done]

@@ -107,3 +107,23 @@ def test_a_priced_run_repeats_who_drafted_under_another_cost_table(tiny_pair, mo
     assert [d.drafter for d in again.decisions()] == [d.drafter for d in original.decisions()]
     with pytest.raises(ValueError, match="drafter schedule"):
         SpecConfig(draft_kind="model", gamma_policy="replay", gamma_schedule=(1,), drafter_schedule=("lookup",))
+
+
+def test_a_trace_replays_with_its_own_draft_kind_whatever_the_defaults_are_now(tiny_pair, prompt_ids, monkeypatch):
+    """A trace made when the draft model drafted every iteration replays as such under a priced default."""
+    monkeypatch.setattr(engine, "calibrate", _table(draft_s=0.001, target_s=0.01))
+    original = decode(tiny_pair, [prompt_ids], dataclasses.replace(SAMPLED, draft_kind="model"))
+    plan = schedule(original)
+    assert plan.draft_kind == "model" and plan.drafters == ()
+    again = decode(tiny_pair, [prompt_ids], replaying(dataclasses.replace(SAMPLED, draft_kind="priced"), plan))
+    assert again.config["draft_kind"] == "model" and _decisions(again) == _decisions(original)
+
+
+def test_a_drafter_schedule_must_fit_its_gamma_schedule():
+    base = dict(draft_kind="priced", gamma_policy="replay", gamma_schedule=(2, 0))
+    SpecConfig(**base, drafter_schedule=("lookup", ""))
+    for bad in (("", ""), ("lookup", "model"), ("lookup",), ("ngram", "")):
+        with pytest.raises(ValueError, match="drafter schedule"):
+            SpecConfig(**base, drafter_schedule=bad)
+    with pytest.raises(ValueError, match="replayed with its drafter schedule"):
+        SpecConfig(**base)

@@ -19,9 +19,8 @@ class RunningAcceptance:
     PRIOR_WEIGHT = 1.0  # position 0 hears from every iteration that drafts: let it learn fast
     SHRINK = 3.0
 
-    def __init__(self, decay: float = 0.95, prior_weight: float = PRIOR_WEIGHT):
+    def __init__(self, decay: float = 0.95):
         self.decay = decay  # per iteration that examined something: ~20 iterations of memory
-        self.prior_weight = prior_weight
         self.stats: dict[tuple[int | None, int], list[float]] = {}  # (sequence or None, k) → [Σ weight·a, Σ weight]
 
     def fade(self) -> None:
@@ -46,7 +45,7 @@ class RunningAcceptance:
     def alphas(self, sequence: int | None, length: int) -> list[float]:
         out: list[float] = []
         for k in range(length):
-            prior, weight = (self.PRIOR, self.prior_weight) if k == 0 else (out[k - 1], self.SHRINK)
+            prior, weight = (self.PRIOR, self.PRIOR_WEIGHT) if k == 0 else (out[k - 1], self.SHRINK)
             s, n = self.stats.get((None, k), (0.0, 0.0))
             at_k = (s + weight * prior) / (n + weight)
             if sequence is not None:

@@ -83,17 +83,22 @@ class SlottedDecoder:
             pass
 
     def prefill_steps(self, prompts: list[list[int]]) -> Iterator[tuple[int, int]]:
-        """As `prefill`, yielding (prompt tokens read, of how many) as it goes; the last is (n, n)."""
+        """As `prefill`, yielding (prompt tokens read, of how many) as it goes; the last, (n, n), once the
+        cache is complete."""
         unique = list(dict.fromkeys(tuple(p) for p in prompts))
-        if self.shares_identical_prompts and len(unique) < len(prompts):
+        shared = self.shares_identical_prompts and len(unique) < len(prompts)
+        fed = [list(u) for u in unique] if shared else prompts
+        if shared:
             self._set_valid(self.valid[: len(unique)])
             self.slots = [[] for _ in unique]
-            yield from self._prefill_distinct([list(u) for u in unique])
+        yield from self._prefill_distinct(fed)
+        if shared:
             self.select([unique.index(tuple(p)) for p in prompts])
-            return
-        yield from self._prefill_distinct(prompts)
+        total = sum(len(p) for p in fed)
+        yield total, total
 
     def _prefill_distinct(self, prompts: list[list[int]]) -> Iterator[tuple[int, int]]:
+        """Feed the prompts; yields the progress before the end (prefill_steps says when it is done)."""
         lengths = {len(p) for p in prompts}
         total = sum(len(p) for p in prompts)
         if len(lengths) == 1 and self.prompt_cache is None:  # one batched forward per piece
@@ -104,18 +109,17 @@ class SlottedDecoder:
                 if start + piece < n:
                     yield (start + piece) * len(prompts), total
             self.take_counts()
-            yield total, total
             return
         width = max(lengths)
         if width == 0:
             self.take_counts()
-            yield 0, 0
             return
         per_row, before = [], 0
         for r, prompt in enumerate(prompts):
             per_row.append((yield from self._prompt_layers(r, prompt, before, total)))
             before += len(prompt)
-            yield before, total
+            if before < total:
+                yield before, total
         self.cache = self._merge(per_row, [len(p) for p in prompts], width)
         valid = torch.zeros((len(prompts), width), dtype=torch.bool, device=self.device)
         for r, prompt in enumerate(prompts):

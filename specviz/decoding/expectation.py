@@ -102,12 +102,13 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
         if not found:
             break
         lookup_tokens = sum(by_lookup[r][min(lookups[r], g)] for r in found)
+        widest = max(by_lookup[r][min(lookups[r], g)] for r in found)  # what the model's catch-up reads
         if g <= max(lookups[r] for r in found):  # a longer γ proposes nothing more
             # rows without a continuation of lookup_ngram tokens may still match a shorter one: up to γ
             width = g if missing else max(min(lookups[r], g) for r in found)
-            table[("lookup", g)] = speedup(lookup_tokens + len(missing),
-                                           catch_up(lookup_tokens / batch) + target[width] + fixed)
+            table[("lookup", g)] = speedup(lookup_tokens + len(missing), catch_up(widest) + target[width] + fixed)
         if missing:
             modelled = sum(by_model[r][g] for r in missing)
-            table[("lookup+model", g)] = speedup(lookup_tokens + modelled, g * draft + target[g] + fixed)
+            table[("lookup+model", g)] = speedup(lookup_tokens + modelled,
+                                                 g * draft + catch_up(widest) + target[g] + fixed)
     return table

@@ -219,7 +219,6 @@ class CostAware:
         # when it drafts, and it fades while the model sits out, so that it is tried again.
         self.by_drafter = {MODEL: RunningAcceptance(), LOOKUP: RunningAcceptance()}
         self.plain_run = 0  # plain steps since the last iteration that drafted
-        self.expected: tuple[int, float] | None = None  # (γ, expected speedup) of the last decision
 
     def current(self) -> int:
         if self.gamma is None:
@@ -245,7 +244,6 @@ class CostAware:
         alphas = [self.acceptance.alphas(seq, self.max_gamma) for seq in rows]
         table = speedups(self.costs, batch, alphas, self.max_gamma)
         gamma = max(range(self.max_gamma + 1), key=lambda g: (table[g], -g))
-        self.expected = (gamma, table[gamma])
         if gamma > 0:
             return gamma
         probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
@@ -262,7 +260,6 @@ class CostAware:
                                 [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys],
                                 lookups, self.max_gamma)
         (kind, gamma), best = max(table.items(), key=lambda item: (item[1], -item[0][1]))
-        self.expected = (gamma, best) if best > 1.0 else (0, 1.0)
         if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best):
             return Plan(gamma, kind)
         return Plan(0, "")

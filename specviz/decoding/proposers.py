@@ -133,17 +133,20 @@ class ModelDraft:
 
 
 class PromptLookup:
-    """No draft model: the continuation of the latest earlier occurrence of the row's last 1..3 tokens; a row
-    without any match repeats its last token, so that every row proposes something."""
+    """No draft model: the continuation of the latest earlier occurrence of the row's last cfg.lookup_ngram
+    or more tokens (the match lookup+model and a priced run's plan see), else of its last 1..3; a row without
+    any match repeats its last token, so that every row proposes something."""
 
     kind = "lookup"
     uses_draft_model = False
 
     def __init__(self, setup: DraftSetup):
-        self.vocab, self.device = setup.vocab, setup.device
+        self.vocab, self.device, self.ngram = setup.vocab, setup.device, setup.cfg.lookup_ngram
 
     def propose(self, histories: list[list[int]], caps: list[int]) -> Proposal:
-        tokens = [lookup(h, cap, self.vocab.eos, min_ngram=1) or [h[-1]] for h, cap in zip(histories, caps)]
+        eos = self.vocab.eos
+        tokens = [lookup(h, cap, eos, min_ngram=self.ngram) or lookup(h, cap, eos, min_ngram=1) or [h[-1]]
+                  for h, cap in zip(histories, caps)]
         logits = one_hot_logits(tokens, max(map(len, tokens)), self.vocab.size, self.device)
         return Proposal(tokens, logits, [LOOKUP] * len(histories))
 

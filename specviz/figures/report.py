@@ -187,8 +187,14 @@ def draft_line(trace: Trace, s: dict[str, Any]) -> str:
     config = trace.config
     kind = str(config.get("draft_kind", "model"))
     vocab, size = number(trace.meta, "vocab_size"), number(trace.meta, "draft_vocab_size")
-    parts = ["drafted, at each iteration, by whichever the cost policy priced best (prompt lookup, the draft model, "
-             "both, or none: a plain step)" if kind == PRICED else f"drafted by {html.escape(kind)[:40]}"]
+    if kind == PRICED and config.get("gamma_policy") in ("cost", "replay"):
+        first = ("drafted, at each iteration, by whichever the cost policy priced best (prompt lookup, the draft "
+                 "model, both, or none: a plain step)")
+    elif kind == PRICED:  # only the cost policy prices who drafts; the others keep lookup else model
+        first = "drafted by prompt lookup where a continuation was found, else the draft model (priced by no policy)"
+    else:
+        first = f"drafted by {html.escape(kind)[:40]}"
+    parts = [first]
     if s.get("lookup_share") and kind != "lookup":
         parts.append(f"prompt lookup drafted {100 * s['lookup_share']:.0f}% of the proposals")
     if kind != "lookup" and size is not None and vocab is not None:

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from specviz.config import PRICED, REPLAY, SpecConfig
+from specviz.config import DRAFT_KINDS, PRICED, REPLAY, SpecConfig
 from specviz.runs.settings import Settings
 from specviz.runs.tasks import TASKS
 from specviz.text.prompts import InputError
@@ -26,6 +26,7 @@ class Schedule:
 
     gammas: tuple[int, ...]
     drafters: tuple[str, ...] = ()
+    draft_kind: str | None = None  # the trace's own (a default may have changed since it ran); None: keep cfg's
 
     def __len__(self) -> int:
         return len(self.gammas)
@@ -46,19 +47,22 @@ def schedule(trace: Trace) -> Schedule:
     if trace.mode == "target-only" or not trace.steps:
         raise InputError("this trace has no speculative iterations to replay (target-only, or empty)")
     gammas = tuple(step.gamma for step in trace.steps)
-    if trace.config.get("draft_kind") != PRICED:
-        return Schedule(gammas)
+    kind = trace.config.get("draft_kind")
+    kind = kind if kind in DRAFT_KINDS else None
+    if kind != PRICED:
+        return Schedule(gammas, draft_kind=kind)
     by_step: dict[int, list] = {}
     for d in trace.decisions():
         by_step.setdefault(d.step, []).append(d)
     return Schedule(gammas, tuple(_drafted_by(by_step.get(step.index, [])) if step.gamma else ""
-                                  for step in trace.steps))
+                                  for step in trace.steps), PRICED)
 
 
 def replaying(cfg: SpecConfig, plan: Schedule) -> SpecConfig:
-    """`cfg` with γ (and a priced run's drafters) read from a trace's schedule instead of chosen."""
+    """`cfg` with γ (and a priced run's drafters) read from a trace's schedule instead of chosen, and the
+    trace's own draft kind."""
     return dataclasses.replace(cfg, gamma_policy=REPLAY, gamma_schedule=plan.gammas, gamma_init=None,
-                               drafter_schedule=plan.drafters)
+                               drafter_schedule=plan.drafters, draft_kind=plan.draft_kind or cfg.draft_kind)
 
 
 def schedule_file(path: str | Path) -> Schedule:

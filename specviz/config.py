@@ -12,8 +12,9 @@ DRAFT_KINDS = {"model": "draft model", "lookup": "prompt lookup (no draft model)
                "priced": "each iteration the one with the best expected tokens/s: prompt lookup, the draft model, "
                          "lookup else model, or none (with the cost policy)"}
 PRICED = "priced"
+LOOKUP_THEN_MODEL = "lookup+model"
 # What a priced run chooses among at each iteration besides a plain step: the kinds that draft.
-PRICED_KINDS = ("model", "lookup", "lookup+model")
+PRICED_KINDS = ("model", "lookup", LOOKUP_THEN_MODEL)
 GAMMA_POLICIES = {
     "constant": "always the initial γ",
     "hf": "+2 after all accepted, −1 otherwise (transformers)",

@@ -61,6 +61,15 @@ def break_even_alpha(costs: CostModel, batch: int, gamma: int) -> float | None:
     return hi
 
 
+def catch_up_s(draft_s: float, target: Sequence[float], tokens: float) -> float:
+    """The draft model reading `tokens` it did not draft (after prompt lookup drafted), in one forward: a draft
+    step scaled as the target's calls scale with the tokens they read (target[k]: scoring k + 1 tokens).
+    Measured: after lookup iterations of ~6 tokens the model's next draft took 113-130 ms against 16 ms for one
+    step."""
+    n = min(len(target), max(1, round(tokens)))
+    return draft_s * target[n - 1] / target[0]
+
+
 def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequence[float]],
                     lookup_alphas: Sequence[Sequence[float]], lookups: Sequence[int],
                     max_gamma: int = MAX_GAMMA) -> dict[tuple[str, int], float]:
@@ -88,15 +97,12 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
 
     for g in range(1, max_gamma + 1):
         table[("model", g)] = speedup(sum(e[g] for e in by_model), g * draft + target[g] + fixed)
-    # The model catches up on the tokens it did not draft, in one forward over them, at its next draft: priced
-    # as a draft forward scaled as the target's calls scale with the tokens they read (measured: after lookup
-    # iterations of ~6 tokens the model's next draft took 113-130 ms against 16 ms for one step). Only where
-    # the model's drafts pay at all; otherwise it will not draft again.
+    # The model catches up on the tokens it did not draft at its next draft (catch_up_s): only where its drafts
+    # pay at all; otherwise it will not draft again.
     model_pays = max(table.values()) > 1.0
 
     def catch_up(tokens: float) -> float:
-        n = min(max_gamma + 1, max(1, round(tokens)))
-        return draft * target[n - 1] / target[0] if model_pays else 0.0
+        return catch_up_s(draft, target, tokens) if model_pays else 0.0
 
     for g in range(1, max_gamma + 1):
         if not found:

@@ -7,14 +7,12 @@ from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 from specviz import theory
-from specviz.config import REPLAY
+from specviz.config import LOOKUP_THEN_MODEL, REPLAY
 from specviz.decoding.acceptance import RunningAcceptance
 from specviz.decoding.calibration import MAX_GAMMA
 from specviz.decoding.cost import CostModel
 from specviz.decoding.expectation import priced_speedups, speedups
 from specviz.decoding.records import LOOKUP, MODEL, Decision
-
-LOOKUP_THEN_MODEL = "lookup+model"  # who drafts in a priced run where nothing prices it
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from specviz.config import PRICED, PRICED_KINDS, SpecConfig
+from specviz.config import LOOKUP_THEN_MODEL, PRICED, PRICED_KINDS, SpecConfig
 from specviz.decoding.decoder import PAD_ID, SlottedDecoder
 from specviz.decoding.drafts import lookup, one_hot_logits
 from specviz.decoding.records import LOOKUP, MODEL
@@ -154,7 +154,7 @@ class PromptLookup:
 class LookupThenModel:
     """Prompt lookup where the row's last cfg.lookup_ngram tokens recur earlier; the draft model elsewhere."""
 
-    kind = "lookup+model"
+    kind = LOOKUP_THEN_MODEL
     uses_draft_model = True
 
     def __init__(self, setup: DraftSetup):

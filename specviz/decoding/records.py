@@ -7,6 +7,9 @@ nothing flows back. A record is never mutated after it is yielded, so handing on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
+
+from specviz.config import LOOKUP_THEN_MODEL
 
 # Outcome of each drafted token, then of the token verification adds (TARGET: target-only decoding).
 ACCEPTED, REJECTED, DISCARDED = "accepted", "rejected", "discarded"  # discarded: drafted after a rejection
@@ -16,6 +19,13 @@ NEXT_KINDS = (RESAMPLED, BONUS, TARGET)
 FINISH_REASONS = ("eos", "length", "")  # "": still decoding when the trace was taken
 MODEL, LOOKUP = "model", "lookup"  # who drafted: the draft model, or prompt lookup (specviz.decoding.drafts)
 DRAFTERS = (MODEL, LOOKUP)
+
+
+def drafted_by(decisions: Iterable[Decision]) -> str:
+    """Who drafted in one iteration, from its rows' decisions: MODEL or LOOKUP for all of them, LOOKUP_THEN_MODEL
+    where rows differ, "" at a plain step (nothing drafted)."""
+    who = {d.drafter for d in decisions if d.gamma}
+    return "" if not who else next(iter(who)) if len(who) == 1 else LOOKUP_THEN_MODEL
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from specviz import theory
 from specviz.runs.compare import Row
 from specviz.decoding.expectation import expected_speedup
 from specviz.traces.prediction import predict
-from specviz.decoding.records import ACCEPTED, BONUS, DISCARDED, LOOKUP, MODEL, REJECTED, RESAMPLED, Decision
+from specviz.config import LOOKUP_THEN_MODEL
+from specviz.decoding.records import (ACCEPTED, BONUS, DISCARDED, LOOKUP, MODEL, REJECTED, RESAMPLED, Decision,
+                                     drafted_by)
 from specviz.traces.trace import Trace
 
 COLORS = {ACCEPTED: "#1a7f37", REJECTED: "#cf222e", DISCARDED: "#8c959f", RESAMPLED: "#0969da", BONUS: "#8250df"}
@@ -58,26 +60,18 @@ def gamma_figure(trace: Trace, upto: int | None = None) -> go.Figure:
                              line_shape="hvh", line_color="#24292f"))
     # who drafted each iteration, a marker on its γ: where a run mixes proposers (lookup+model, priced), the
     # figure shows which one each iteration used, and plain steps (γ = 0) as their own
-    for label, color, picks in (("drafted by the model", DRAFTER_COLORS[MODEL], lambda ds: _drafter(ds) == MODEL),
-                                ("drafted by prompt lookup", DRAFTER_COLORS[LOOKUP], lambda ds: _drafter(ds) == LOOKUP),
-                                ("by both (rows differ)", DRAFTER_COLORS["both"], lambda ds: _drafter(ds) == "both"),
-                                ("plain target step", DRAFTER_COLORS["plain"], lambda ds: not ds)):
-        chosen = [(step.index, step.gamma) for step, ds in rows if picks(ds)]
+    for who, label in ((MODEL, "drafted by the model"), (LOOKUP, "drafted by prompt lookup"),
+                       (LOOKUP_THEN_MODEL, "by both (rows differ)"), ("", "plain target step")):
+        chosen = [(step.index, step.gamma) for step, ds in rows if drafted_by(ds) == who]
         if chosen:
             fig.add_trace(go.Scatter(x=[i for i, _ in chosen], y=[g for _, g in chosen], mode="markers", name=label,
-                                     marker=dict(color=color, size=7)))
+                                     marker=dict(color=DRAFTER_COLORS[who], size=7)))
     fig.update_xaxes(title="iteration")
     fig.update_yaxes(title="tokens per iteration", rangemode="tozero")
     return phone_layout(fig, f"γ per iteration and who drafted (policy: {policy})")
 
 
-DRAFTER_COLORS = {MODEL: "#24292f", LOOKUP: "#bf8700", "both": "#8250df", "plain": "#8c959f"}
-
-
-def _drafter(decisions: list[Decision]) -> str:
-    """Who drafted in an iteration: MODEL, LOOKUP, "both" where its rows differ, "" at a plain step."""
-    who = {d.drafter for d in decisions}
-    return "" if not who else next(iter(who)) if len(who) == 1 else "both"
+DRAFTER_COLORS = {MODEL: "#24292f", LOOKUP: "#bf8700", LOOKUP_THEN_MODEL: "#8250df", "": "#8c959f"}
 
 
 _ALPHA_NOTE = ("α: mean of min(1, p/q) over examined drafts (the chance a draft passes)<br>"

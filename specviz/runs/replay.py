@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specviz.config import DRAFT_KINDS, PRICED, REPLAY, SpecConfig
+from specviz.decoding.records import drafted_by
 from specviz.runs.settings import Settings
 from specviz.runs.tasks import TASKS
 from specviz.text.prompts import InputError
@@ -32,16 +33,6 @@ class Schedule:
         return len(self.gammas)
 
 
-def _drafted_by(decisions) -> str:
-    """The plan an iteration ran on, from who drafted for each row: lookup everywhere, the model everywhere,
-    or both (lookup where a continuation was found). Replayed, each gives the same proposals: the plans a
-    priced run picks among differ only where rows did or did not find a continuation, which is recorded."""
-    drafters = {d.drafter for d in decisions if d.gamma}
-    if not drafters:
-        return ""
-    return next(iter(drafters)) if len(drafters) == 1 else "lookup+model"
-
-
 def schedule(trace: Trace) -> Schedule:
     """γ of each iteration of `trace`, in order (0: a plain target step), and who drafted where it was priced."""
     if trace.mode == "target-only" or not trace.steps:
@@ -54,7 +45,9 @@ def schedule(trace: Trace) -> Schedule:
     by_step: dict[int, list] = {}
     for d in trace.decisions():
         by_step.setdefault(d.step, []).append(d)
-    return Schedule(gammas, tuple(_drafted_by(by_step.get(step.index, [])) if step.gamma else ""
+    # The plan each iteration ran on, from who drafted its rows. Replayed, each gives the same proposals: the
+    # plans a priced run picks among differ only where rows did or did not find a continuation, which is recorded.
+    return Schedule(gammas, tuple(drafted_by(by_step.get(step.index, [])) if step.gamma else ""
                                   for step in trace.steps), PRICED)
 
 

@@ -9,9 +9,9 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from specviz.decoding.expectation import break_even_alpha
 from specviz.decoding.calibration import CALIBRATION_TOKENS
-from specviz.decoding.records import DRAFTERS, MODEL
+from specviz.decoding.expectation import break_even_alpha, catch_up_s
+from specviz.decoding.records import DRAFTERS, LOOKUP, MODEL, Decision, drafted_by
 from specviz.theory import expected_tokens_by_position
 from specviz.traces.trace import Trace
 
@@ -59,19 +59,20 @@ def predict(trace: Trace) -> Prediction | None:
     # (as expectation.priced_speedups prices it)
     by_drafter = {who: trace.alpha_by_position(who) or alphas for who in DRAFTERS}
     catches_up = any(d.drafter == MODEL for d in trace.drafted())
-    by_step: dict[int, list[tuple[int, str]]] = {}
+    by_step: dict[int, list[Decision]] = {}
     for d in trace.decisions():
-        by_step.setdefault(d.step, []).append((d.gamma, d.drafter))
+        by_step.setdefault(d.step, []).append(d)
     spec_s = target_only_s = predicted_tokens = 0.0
     for step in trace.steps:
         batch = len(step.sequences)
         rows = by_step.get(step.index, [])
-        tokens = sum(expected_tokens_by_position(by_drafter[who], g) if g else 1.0 for g, who in rows)
+        tokens = sum(expected_tokens_by_position(by_drafter[d.drafter], d.gamma) if d.gamma else 1.0 for d in rows)
         spec_s += costs.iteration_s(batch, step.gamma)
-        if step.gamma and not any(who == MODEL for _, who in rows):  # prompt lookup alone
-            read = min(CALIBRATION_TOKENS[-1], max(1, round(tokens / batch)))
+        if step.gamma and drafted_by(rows) == LOOKUP:  # no draft step, but the model's reading of what it kept
             spec_s -= step.gamma * costs.draft_s(batch)
-            spec_s += catches_up * costs.draft_s(batch) * costs.target_s(batch, read) / costs.target_s(batch, 1)
+            if catches_up:
+                spec_s += catch_up_s(costs.draft_s(batch), costs.target_curve(batch, CALIBRATION_TOKENS[-1]),
+                                     tokens / batch)
         target_only_s += tokens * costs.plain_s(batch) / batch
         if step.gamma > 0:
             predicted_tokens += tokens / batch
@@ -96,8 +97,7 @@ def predict(trace: Trace) -> Prediction | None:
         break_even=break_even_alpha(costs, batch, gamma),
         plain_share=1 - len(drafting) / len(trace.steps),
         batch=batch,
-        lookup_share=sum(1 for st in drafting if all(who != MODEL for _, who in by_step.get(st.index, [])))
-        / len(drafting),
+        lookup_share=sum(drafted_by(by_step.get(st.index, [])) == LOOKUP for st in drafting) / len(drafting),
     )
 
 

@@ -400,6 +400,35 @@ __device__ __forceinline__ sv_u64 sv_block_inclusive_scan_u64(sv_u64 v, sv_u64* 
 
 static_assert(SV_THREADS == 256, "sv_mass_select gives each thread one of the 256 digits");
 
+// Lanes sharing a digit with fewer others than this add their masses to the histogram one by one.
+#define SV_AGGREGATE_MIN 2
+
+// hist[digit] += mass on the lanes where live; call from all 32 lanes of the warp. sm_90 has no 64-bit
+// shared-memory add: atomicAdd compiles to a compare-and-swap loop that retries once per lane writing the
+// same word. A logit row puts most of its values in a few digits (pass 0's digit is the sign and the
+// exponent's top bits), so a warp first sums in registers the masses of each digit that two or more lanes
+// share and one lane adds the sum: one atomic per digit and warp instead of one per lane. Measured on an
+// H100 at V = 151,936, B = 1, gamma = 5, fp32, top-p 0.9: 2.32 ms of GPU time per call before this.
+// Integer sums: the histogram has the same bits in any order.
+__device__ __forceinline__ void sv_hist_add(sv_u64* hist, unsigned int digit, sv_u64 mass, bool live) {
+  const int lane = threadIdx.x & 31;
+  unsigned int pending = __ballot_sync(SV_FULL, live);
+  while (pending) {  // warp-uniform
+    const int leader = __ffs(pending) - 1;
+    const unsigned int shared_digit = __shfl_sync(SV_FULL, digit, leader);
+    const bool mine = live && digit == shared_digit;
+    const unsigned int group = __ballot_sync(SV_FULL, mine);
+    if (__popc(group) < SV_AGGREGATE_MIN) break;  // warp-uniform; the live lanes left add one by one
+    sv_u64 sum = mine ? mass : 0ull;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(SV_FULL, sum, off);
+    if (lane == leader) atomicAdd(&hist[shared_digit], sum);
+    live = live && !mine;
+    pending &= ~group;
+  }
+  if (live) atomicAdd(&hist[digit], mass);
+}
+
 // Top-p threshold of items(0..n-1): the largest key K whose inclusive mass (the mass of the keys >= K)
 // reaches goal = sv_topp_goal(top_p, total mass); the keys above K then hold less than the goal, and
 // every key >= K is kept (ties with K included). *kept: the mass of the keys >= K. `passes` 8-bit digits
@@ -424,15 +453,15 @@ __device__ __forceinline__ unsigned int sv_mass_select(const G& items, sv_i64 n,
     const int shift = 24 - 8 * pass;
     s_hist[threadIdx.x] = 0ull;
     __syncthreads();
-    for (sv_i64 i = threadIdx.x; i < n; i += (sv_i64)SV_THREADS * SV_UNROLL) {
+    // The same trip count in every thread (sv_hist_add's warp primitives need all 32 lanes).
+    for (sv_i64 i = 0; i < n; i += (sv_i64)SV_THREADS * SV_UNROLL) {
 #pragma unroll
       for (int u = 0; u < SV_UNROLL; ++u) {
-        const sv_i64 j = i + (sv_i64)u * SV_THREADS;
-        unsigned int key;
-        sv_u64 mass;
-        if (j < n && items.get(j, mask, prefix, key, mass) && mass != 0ull) {
-          atomicAdd(&s_hist[(key >> shift) & 255u], mass);
-        }
+        const sv_i64 j = i + threadIdx.x + (sv_i64)u * SV_THREADS;
+        unsigned int key = 0u;
+        sv_u64 mass = 0ull;
+        const bool live = j < n && items.get(j, mask, prefix, key, mass) && mass != 0ull;
+        sv_hist_add(s_hist, (key >> shift) & 255u, mass, live);
       }
     }
     __syncthreads();

@@ -154,6 +154,9 @@ class SpecConfig:
             raise ValueError(f"lenience must be in (0, 1], got {self.lenience}")
         if not self.sigmoid_alpha < self.sigmoid_beta:
             raise ValueError("sigmoid α must be smaller than β")
+        if self.verify_backend == "cuda" and self.sampling.greedy:
+            raise ValueError("the CUDA kernels verify sampled runs (temperature > 0); greedy verification "
+                             "compares argmaxes on torch: use the verify backend 'auto' or 'torch'")
 
     def to_dict(self) -> dict:
         """Plain JSON values (the schedule a list), so a trace's config reads back equal."""

@@ -138,6 +138,15 @@ def test_verify_backend_choices():
     forced = verify("exact", *args, generator=torch.Generator().manual_seed(3), backend="torch")
     auto = verify("exact", *args, generator=torch.Generator().manual_seed(3))
     assert torch.equal(forced.n_accepted, auto.n_accepted) and torch.equal(forced.next_token, auto.next_token)
+    # baseline has no kernel: under 'cuda' it runs on torch (a compare of all modes with the kernels forced ran
+    # baseline first and stopped there, on an H100), with the same decisions as under 'torch'
+    on_cuda = verify("baseline", *args, generator=torch.Generator().manual_seed(4), backend="cuda")
+    on_torch = verify("baseline", *args, generator=torch.Generator().manual_seed(4), backend="torch")
+    assert on_cuda.host() == on_torch.host()
+    # greedy under 'cuda' is refused when the run is set up, not at its first verification
+    with pytest.raises(ValueError, match="kernels verify sampled runs"):
+        SpecConfig(sampling=SamplingConfig(temperature=0.0), verify_backend="cuda")
+    SpecConfig(sampling=SamplingConfig(temperature=0.8), verify_backend="cuda")
 
 
 def test_public_page_accepts_local_models_only_under_named_dirs(tmp_path):

@@ -136,7 +136,8 @@ def verify(
     (Wagner et al. §3.2.2, approximate). lenience l in (0, 1] multiplies q before the comparison
     (Leviathan et al. A.5); 1 keeps the output distribution exact. backend: 'auto' runs `exact` and
     `sigmoid` on CUDA tensors with the CuPy kernels in kernels/ when they work (same random numbers, same
-    decisions up to floating-point near-ties), 'torch' forces the torch path, 'cuda' requires the kernels.
+    decisions up to floating-point near-ties), 'torch' forces the torch path, 'cuda' requires the kernels
+    for exact and sigmoid (baseline, transformers' algorithm, has no kernel and runs on torch under any backend).
     draft_lengths: drafted tokens per row when rows drafted fewer than γ (see the module docstring); ragged
     rows verify on the torch path, which the kernels do not yet take.
 

@@ -58,8 +58,10 @@ def kernels_active() -> bool:
 
 
 def use_kernels(mode: str, sampling: SamplingConfig, target_logits: torch.Tensor, backend: str) -> bool:
-    # greedy needs only argmaxes, which torch does well on any device; baseline is transformers' algorithm
-    wanted = mode != "baseline" and not sampling.greedy and target_logits.is_cuda
+    if mode == "baseline":
+        return False  # transformers' algorithm, the reference the kernels are measured against: torch always
+    # greedy needs only argmaxes, which torch does well on any device
+    wanted = not sampling.greedy and target_logits.is_cuda
     if backend == "cuda":
         if not wanted:
             raise ValueError("the CUDA kernels verify exact/sigmoid on CUDA tensors with sampling (not greedy)")

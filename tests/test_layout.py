@@ -15,7 +15,7 @@ PACKAGE = ROOT / "specviz"
 # Low to high. A module may import its own package's modules and those of any lower layer; top-level modules
 # (layer 0) are specviz's foundations and may import each other. Packages in one layer do not import each other (text/speech, page/cli).
 LAYERS: list[set[str]] = [
-    {"config", "machine", "cache", "memory", "openmp", "theory", "speedup", "sampling", "paths", "_moved"},
+    {"config", "machine", "cache", "memory", "native", "openmp", "theory", "speedup", "sampling", "paths", "_moved"},
     {"models", "verify"},
     {"decoding"},
     {"traces"},

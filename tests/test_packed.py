@@ -25,6 +25,7 @@ from gguf import quants
 from torch import nn
 
 from specviz.models import cpu_kernels, lean
+from specviz.native import _compiler
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.models.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
 from specviz.models.loading import ModelPair
@@ -173,7 +174,7 @@ def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
     import subprocess
 
     avx2 = tmp_path / "avx2.so"
-    subprocess.run([cpu_kernels._compiler(), "-O3", "-march=haswell", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+    subprocess.run([_compiler(), "-O3", "-march=haswell", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
                     *map(str, cpu_kernels.SOURCES), "-o", str(avx2)], check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(avx2))
     native = cpu_kernels.library()

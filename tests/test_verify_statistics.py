@@ -40,6 +40,17 @@ BATTERY_TV = 0.025  # the TV error the 200-pair battery detects (full power for 
 N_BATTERY_PAIRS = 200
 ELEMENT_BUDGET = 1 << 23  # per-call cap on rows × columns × positions, to bound memory
 T1 = SamplingConfig(temperature=1.0)
+# `exact` runs its full-vocabulary passes in C++ on the CPU (specviz.verify.cpu); "exact/torch" is the same
+# mode forced onto the torch path (backend 'torch'), so both implementations pass every suite below.
+EXACT_TORCH = "exact/torch"
+TILED_MODES = ["baseline", "exact", EXACT_TORCH]
+
+
+def verify_as(mode: str, *args, **kwargs) -> VerifyResult:
+    """specviz.verify, where EXACT_TORCH means `exact` on backend 'torch'."""
+    if mode == EXACT_TORCH:
+        return specviz.verify("exact", *args, backend="torch", **kwargs)
+    return specviz.verify(mode, *args, **kwargs)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -195,7 +206,7 @@ def run_copies(
         rows = drafts[start:start + chunk]
         b = rows.shape[0]
         state = verify_gen.get_state()
-        result = specviz.verify(
+        result = verify_as(
             mode, rows, pair.draft_logits.expand(b, -1, -1), pair.target_logits.expand(b, -1, -1),
             sampling=pair.sampling, generator=verify_gen, **verify_kwargs,
         )
@@ -299,7 +310,7 @@ def _mask_some(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
+@pytest.mark.parametrize("mode", TILED_MODES)
 def test_first_token_battery(mode: str) -> None:
     """200 random pairs plus the edge cases, each at the N that detects TV ≥ 0.025 with power ≥ 0.99.
 
@@ -323,7 +334,7 @@ def test_first_token_battery(mode: str) -> None:
     )
 
 
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
+@pytest.mark.parametrize("mode", TILED_MODES)
 @pytest.mark.parametrize("pair", edge_pairs(), ids=lambda pair: pair.label)
 def test_first_token_full_power(mode: str, pair: Pair) -> None:
     """Edge cases at the N that detects TV ≥ 0.01 with power ≥ 0.99 at level 1e-3 / 18 (9 pairs × 2 modes).
@@ -349,7 +360,7 @@ def bonus_pairs() -> list[Pair]:
     ]
 
 
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
+@pytest.mark.parametrize("mode", TILED_MODES)
 @pytest.mark.parametrize("pair", bonus_pairs(), ids=lambda pair: pair.label)
 def test_bonus_token_follows_last_position(mode: str, pair: Pair) -> None:
     """γ = 1 with p_0 == q, so every draft is kept: next_token (the bonus) must follow p_1.
@@ -414,12 +425,12 @@ def tail_binned(counts: np.ndarray, probs: np.ndarray, heavy: np.ndarray) -> tup
 def large_outcome(mode: str, vocab: int) -> Outcome:
     """One run per (mode, V), shared by the chi-square and the per-sample test: each sample costs O(V)."""
     pair, _ = large_pair(vocab)
-    kwargs = {"tile_size": LARGE_TILE, "replay_residual_uniform": True} if mode == "exact" else {}
+    kwargs = {"tile_size": LARGE_TILE, "replay_residual_uniform": True} if mode != "baseline" else {}
     return run_copies(mode, pair, LARGE_SAMPLES[vocab], seed=31337, **kwargs)
 
 
 @pytest.mark.parametrize("vocab", LARGE_VOCABS)
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
+@pytest.mark.parametrize("mode", TILED_MODES)
 def test_first_token_large_vocab(mode: str, vocab: int) -> None:
     """V = 32000 / 151936, p spread over 40 tokens (index 0, V/2, V-1, tile edges, ...) plus a tail bin;
     exact runs with tile 7919, which divides neither V.
@@ -441,8 +452,9 @@ def test_first_token_large_vocab(mode: str, vocab: int) -> None:
 
 
 @pytest.mark.parametrize("vocab", LARGE_VOCABS)
-def test_exact_large_vocab_follows_inverse_cdf(vocab: int) -> None:
-    """Per-sample check of `exact` at large V (tile 7919): with the uniforms replayed from the generator
+@pytest.mark.parametrize("mode", ["exact", EXACT_TORCH])
+def test_exact_large_vocab_follows_inverse_cdf(mode: str, vocab: int) -> None:
+    """Per-sample check of `exact` at large V (C++ passes, and the torch path with tile 7919): with the uniforms replayed from the generator
     (position uniforms, then the residual uniform, the order the verify docstring documents), each
     decision must be u ≤ p(x)/q(x), and each next_token must be the inverse CDF of the float64 residual
     max(0, p - q) (or of p_1 for the bonus) at u·total, up to 1e-5 of probability mass (float32 sums).
@@ -450,7 +462,7 @@ def test_exact_large_vocab_follows_inverse_cdf(vocab: int) -> None:
     pair, _ = large_pair(vocab)
     p0, p1 = (probs_of(pair.target_logits[j], T1) for j in (0, 1))
     q = probs_of(pair.draft_logits[0], T1)
-    out = large_outcome("exact", vocab)
+    out = large_outcome(mode, vocab)
     x = out.draft_tokens[:, 0].numpy()
     u = out.uniforms[:, 0].double().numpy()
     ratio = p0[x] / q[x]
@@ -504,8 +516,9 @@ def test_exact_tile_size_does_not_change_decisions(tile: int) -> None:
     alpha = FAMILY_ALPHA / 5
     n = 6000 if tile == DEFAULT_TILE else samples_to_detect_tv(FULL_TV, support_dof(p0), alpha, POWER)
     chunk = max(1, ELEMENT_BUDGET // (max(tile, pair.vocab) * 4))
-    reference = run_copies("exact", pair, n, seed=8, tile_size=pair.vocab, chunk_rows=chunk)
-    out = run_copies("exact", pair, n, seed=8, tile_size=tile, chunk_rows=chunk)
+    # tiles are the torch path's (the C++ passes have none)
+    reference = run_copies(EXACT_TORCH, pair, n, seed=8, tile_size=pair.vocab, chunk_rows=chunk)
+    out = run_copies(EXACT_TORCH, pair, n, seed=8, tile_size=tile, chunk_rows=chunk)
     assert torch.equal(out.uniforms, reference.uniforms)
     assert torch.equal(out.n_accepted, reference.n_accepted), f"tile {tile} changes accept decisions"
     agreement = (out.next_token == reference.next_token).double().mean().item()
@@ -604,7 +617,7 @@ def lenient_output_probs(p: np.ndarray, q: np.ndarray, lenience: float) -> np.nd
 
 
 @pytest.mark.parametrize("lenience", [0.5, 0.8])
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
+@pytest.mark.parametrize("mode", TILED_MODES)
 def test_lenience(mode: str, lenience: float) -> None:
     """accept_prob == min(1, p/(l·q)) at every drafted token; the first token follows the lenient law
     (chi-square, N detects TV ≥ 0.01 with power 0.99 at level 1e-3 / 8) and no token's count exceeds the
@@ -714,7 +727,7 @@ def ragged_batch(draft: torch.Tensor, target: torch.Tensor, lengths: list[int], 
     return tokens, draft_logits, target_logits
 
 
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
+@pytest.mark.parametrize("mode", TILED_MODES)
 def test_ragged_rows_stay_exact(mode: str) -> None:
     """Rows of one batch draft 1, 2 or 3 tokens. For a row of length L the token at output position j ≤ L
     (emitted when the first j drafts were kept) must follow p_j; position L is the bonus from target
@@ -725,7 +738,7 @@ def test_ragged_rows_stay_exact(mode: str) -> None:
     per_length = samples_to_detect_tv(0.02, 15, alpha, POWER) * 4  # position L is reached by ~α^L of the rows
     lengths = [1 + (i % RAGGED_GAMMA) for i in range(per_length * RAGGED_GAMMA)]
     tokens, d_logits, t_logits = ragged_batch(draft, target, lengths, seed=5)
-    result = specviz.verify(mode, tokens, d_logits, t_logits, sampling=T1, generator=torch.Generator().manual_seed(6),
+    result = verify_as(mode, tokens, d_logits, t_logits, sampling=T1, generator=torch.Generator().manual_seed(6),
                             draft_lengths=lengths, **tile_kwargs(mode, 16))
     n, nxt = result.n_accepted, result.next_token
     length = torch.tensor(lengths)
@@ -744,7 +757,7 @@ def test_ragged_rows_stay_exact(mode: str) -> None:
             assert failure is None, f"{mode}, rows of length {L}, output position {j}: {failure}"
 
 
-@pytest.mark.parametrize("mode", ["baseline", "exact"])
+@pytest.mark.parametrize("mode", TILED_MODES)
 def test_a_row_does_not_depend_on_the_other_rows(mode: str) -> None:
     """Same generator seed, same B and γ: changing every other row (its logits, tokens, length) leaves
     row 0's decision and next token unchanged."""
@@ -753,9 +766,9 @@ def test_a_row_does_not_depend_on_the_other_rows(mode: str) -> None:
         base = ragged_batch(draft, target, [2, 3, 1, 3], seed=100 + trial)
         other = ragged_batch(draft, target, [2, 1, 3, 2], seed=900 + trial)
         mixed = tuple(torch.cat([b[:1], o[1:]]) for b, o in zip(base, other))
-        a = specviz.verify(mode, *base, sampling=T1, generator=torch.Generator().manual_seed(trial),
+        a = verify_as(mode, *base, sampling=T1, generator=torch.Generator().manual_seed(trial),
                            draft_lengths=[2, 3, 1, 3], **tile_kwargs(mode, 16))
-        b = specviz.verify(mode, *mixed, sampling=T1, generator=torch.Generator().manual_seed(trial),
+        b = verify_as(mode, *mixed, sampling=T1, generator=torch.Generator().manual_seed(trial),
                            draft_lengths=[2, 1, 3, 2], **tile_kwargs(mode, 16))
         assert int(a.n_accepted[0]) == int(b.n_accepted[0]) and int(a.next_token[0]) == int(b.next_token[0]), trial
 

@@ -14,7 +14,7 @@ from typing import Callable
 from specviz.cache import cache_dir
 from specviz.decoding.cost import CostModel
 from specviz.machine import describe as describe_machine
-from specviz.models.cpu_kernels import source_digest
+from specviz.native import source_digest
 
 CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row scored in the calibration calls
 CALIBRATION_REPEATS = 2  # timed calls per point (twice as many at one token), after one warm-up

@@ -18,7 +18,8 @@ does, so that both make identical decisions from identically seeded generators.
 
 The engine holds a batch's facts in one `VerifyMetadata` and calls `verify_batch`; `verify` builds that
 object from its keywords. The torch paths are `baseline` and `tiled`; the CUDA kernels (kernels/, loaded by
-`cuda`) take over exact and sigmoid on CUDA tensors. Imports config, sampling and paths only.
+`cuda`) take over exact and sigmoid on CUDA tensors, and on the CPU exact's two full-vocabulary passes run in
+C++ (`cpu`, kernels/verify_cpu.cpp) unless the backend is 'torch'. Imports config, sampling, paths and native only.
 """
 
 from __future__ import annotations
@@ -183,4 +184,5 @@ def _verify_torch(meta: VerifyMetadata, draft_tokens: torch.Tensor, draft_logits
         return verify_baseline(draft_tokens, draft_logits, target_logits, lengths, meta.sampling, generator,
                                meta.lenience)
     return verify_tiled(draft_tokens, draft_logits, target_logits, lengths, meta.sampling, generator,
-                        lenience=meta.lenience, sigmoid=meta.sigmoid, tile=meta.tile_size)
+                        lenience=meta.lenience, sigmoid=meta.sigmoid, tile=meta.tile_size,
+                        native=meta.backend == "auto")

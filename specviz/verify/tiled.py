@@ -22,6 +22,7 @@ import torch
 
 from specviz.config import SamplingConfig
 from specviz.sampling import standardize
+from specviz.verify import cpu
 from specviz.verify.verdict import Verdict, accept_probs
 
 DEFAULT_TILE = 16384
@@ -122,9 +123,12 @@ def _sample_residual(
 
 def verify_tiled(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
                  lengths: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None, *,
-                 lenience: float, sigmoid: tuple[float, float] | None, tile: int = DEFAULT_TILE) -> Verdict:
+                 lenience: float, sigmoid: tuple[float, float] | None, tile: int = DEFAULT_TILE,
+                 native: bool = False) -> Verdict:
     """`exact` (sigmoid None) or `sigmoid` (its (α, β)) on the torch path; see the module docstring. Shapes and
-    lengths as verify_baseline's (specviz.verify.baseline)."""
+    lengths as verify_baseline's (specviz.verify.baseline). native: `exact`'s two full-vocabulary passes (the
+    normalizers, the residual draw) in C++ where fp32 CPU logits allow it (specviz.verify.cpu); `tile` then
+    does not apply."""
     if tile < 1:
         raise ValueError("tile size must be >= 1")
     tile = min(tile, target_logits.shape[-1])  # per-row scratch is [B, tile]: never wider than the vocabulary
@@ -137,8 +141,11 @@ def verify_tiled(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_
     else:
         draft_logits, target_logits, scale = standardize(draft_logits, sampling), standardize(target_logits, sampling), 1.0
     probs = _Probs(scale, sigmoid)
-    p_stats = probs.row_stats(target_logits, tile)
-    q_stats = probs.row_stats(draft_logits, tile)
+    native = native and sigmoid is None and cpu.applies(draft_logits, target_logits)
+    if native:
+        p_stats, q_stats = cpu.row_lse(target_logits, scale), cpu.row_lse(draft_logits, scale)
+    else:
+        p_stats, q_stats = probs.row_stats(target_logits, tile), probs.row_stats(draft_logits, tile)
 
     idx = draft_tokens.unsqueeze(-1)
     p_x = probs(target_logits[:, :gamma].gather(-1, idx).squeeze(-1), None if p_stats is None else p_stats[:, :gamma])
@@ -151,7 +158,10 @@ def verify_tiled(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_
 
     u_res = torch.rand((B,), generator=generator, device=ratio.device, dtype=ratio.dtype)
     q_weight = torch.where(n < lengths, lenience, 0.0)
-    t = _sample_residual(target_logits, draft_logits, n, probs, p_stats, q_stats, q_weight, u_res, tile)
+    if native:
+        t = cpu.residual_pick(target_logits, draft_logits, n, p_stats, q_stats, q_weight, u_res, scale)
+    else:
+        t = _sample_residual(target_logits, draft_logits, n, probs, p_stats, q_stats, q_weight, u_res, tile)
     return Verdict(n_accepted=n, next_token=t, accept_prob=accept_probs(ratio, drafted), uniforms=u, p_draft=p_x,
                    q_draft=q_x)
 

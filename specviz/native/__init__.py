@@ -1,0 +1,136 @@
+"""The C++ kernels' one library (kernels/qmatmul_cpu.cpp, attention_cpu.cpp, verify_cpu.cpp): built once per
+machine, loaded through ctypes, its functions declared here.
+
+Built with the system's C++ compiler, -O3 -march=native and OpenMP, into the model cache (keyed by the
+source, the compiler and the CPU), so each machine gets code for its own instruction set; later processes
+load the built library in milliseconds. OpenMP resolves to the libgomp that torch has already loaded, so the
+kernels and torch share one pool of threads (two pools on two cores would fight for them). The models'
+wrappers are in specviz.models.cpu_kernels, verification's in specviz.verify.cpu. Imports cache and paths only
+(the layer every other package may import).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from specviz.cache import cache_dir
+from specviz.paths import KERNELS
+
+SOURCES = [KERNELS / name for name in ("qmatmul_cpu.cpp", "attention_cpu.cpp", "verify_cpu.cpp")]
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernels could not be built here; the message says why (the fp32 path still works)."""
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = next((l for l in info.splitlines() if l.startswith("model name")), "")
+        flags = next((l for l in info.splitlines() if l.startswith("flags")), "")
+        return model + flags
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' source (read once): the build's cache key, and what was measured on one
+    version (a cost table) is not another's."""
+    return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise KernelBuildError("no C++ compiler found (g++, c++ or clang++; or set $CXX) to build the CPU kernels")
+
+
+def _build(out: Path) -> None:
+    cxx = _compiler()
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", *map(str, SOURCES), "-o", str(tmp)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelBuildError(f"building the CPU kernels failed: {e}") from e
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise KernelBuildError(f"building the CPU kernels failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)  # whole or not at all: a killed build leaves no library that a later load would trust
+
+
+_lock = threading.Lock()  # guards the one-time build and load below (the page decodes from several threads)
+_library: ctypes.CDLL | None = None
+_max_rows = 0
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library, built on first use on this machine."""
+    global _library, _max_rows
+    if _library is not None:  # set once, never unset: read without the lock on every call (the hot path)
+        return _library
+    with _lock:
+        if _library is not None:
+            return _library
+        try:
+            version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
+        except OSError as e:
+            raise KernelBuildError(f"cannot run the C++ compiler: {e}") from e
+        key = hashlib.sha256((source_digest() + version + _cpu_signature()).encode()).hexdigest()[:16]
+        path = cache_dir() / "kernels" / f"qmatmul-{key}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.specviz_q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, cint]
+        lib.specviz_q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, cint]
+        lib.specviz_q4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
+        lib.specviz_q8_dequant.argtypes = [ptr, ptr, i64, i64, i64, ptr]
+        functions = [lib.specviz_q4_matmul, lib.specviz_q8_matmul, lib.specviz_q4_dequant, lib.specviz_q8_dequant]
+        if lib.specviz_has_attention():
+            lib.specviz_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                                              ptr, cint]
+            functions.append(lib.specviz_attention)
+        if lib.specviz_has_a8():
+            lib.specviz_int8_peak.argtypes = [i64, cint]
+            lib.specviz_int8_peak.restype = ctypes.c_double
+            lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
+            lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
+            functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul]
+        f32 = ctypes.c_float
+        lib.specviz_row_lse.argtypes = [ptr, i64, i64, i64, i64, i64, f32, ptr, cint]
+        lib.specviz_residual_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                              f32, ptr, cint]
+        functions += [lib.specviz_row_lse, lib.specviz_residual_pick]
+        for f in functions:
+            f.restype = None
+        lib.specviz_isa.restype = ctypes.c_char_p
+        _max_rows = lib.specviz_max_rows()
+        _library = lib
+        return lib
+
+
+def available() -> bool:
+    try:
+        library()
+        return True
+    except KernelBuildError:
+        return False
+
+
+def max_rows() -> int:
+    """The most rows one kernel call takes (its per-thread accumulators are sized for it)."""
+    library()
+    return _max_rows

@@ -41,13 +41,14 @@ from specviz.runs.settings import TEXT, Settings, declaration
 from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE, task_of
 from specviz.figures.token_view import token_html
 from specviz.traces.trace import Trace
-from specviz.verify import kernels_active
+from specviz.verify import cpu as verify_cpu, kernels_active
 
 def device_summary() -> str:
     if torch.cuda.is_available():
         kernels = "CuPy kernels active" if kernels_active() else "torch path (CuPy kernels unavailable)"
         return f"GPU: {torch.cuda.get_device_name(0)} · verification: {kernels}"
-    return f"CPU ({torch.get_num_threads()} threads) · verification: torch path"
+    passes = "exact's full-vocabulary passes in C++" if verify_cpu.available() else "torch path"
+    return f"CPU ({torch.get_num_threads()} threads) · verification: {passes}"
 
 
 @dataclass(frozen=True)

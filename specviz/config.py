@@ -99,7 +99,8 @@ class SpecConfig:
     # Stop drafting early when the draft's own probability of its token falls below this (0 = off), as
     # transformers' assistant_confidence_threshold does; γ is then the most the draft may propose.
     draft_confidence: float = 0.0
-    verify_backend: str = "auto"  # "torch" forces the torch path where the CUDA kernels would run
+    # "auto": the CUDA kernels on CUDA tensors, exact's C++ passes on the CPU; "torch": torch only; "cuda": the kernels
+    verify_backend: str = "auto"
     # Who drafts: the draft model; prompt lookup alone (no draft model); or prompt lookup where the sequence's
     # last `lookup_ngram` tokens recur earlier, the draft model elsewhere.
     draft_kind: str = "model"
@@ -154,7 +155,7 @@ class SpecConfig:
             raise ValueError(f"lenience must be in (0, 1], got {self.lenience}")
         if not self.sigmoid_alpha < self.sigmoid_beta:
             raise ValueError("sigmoid α must be smaller than β")
-        if self.verify_backend == "cuda" and self.sampling.greedy:
+        if self.verify_backend == "cuda" and self.sampling.greedy and self.mode != "baseline":
             raise ValueError("the CUDA kernels verify sampled runs (temperature > 0); greedy verification "
                              "compares argmaxes on torch: use the verify backend 'auto' or 'torch'")
 

@@ -147,6 +147,7 @@ def test_verify_backend_choices():
     with pytest.raises(ValueError, match="kernels verify sampled runs"):
         SpecConfig(sampling=SamplingConfig(temperature=0.0), verify_backend="cuda")
     SpecConfig(sampling=SamplingConfig(temperature=0.8), verify_backend="cuda")
+    SpecConfig(mode="baseline", sampling=SamplingConfig(temperature=0.0), verify_backend="cuda")  # torch anyway
 
 
 def test_public_page_accepts_local_models_only_under_named_dirs(tmp_path):

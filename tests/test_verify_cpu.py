@@ -54,6 +54,26 @@ def _inverse_cdf_ok(dist: np.ndarray, goal: float, token: int, tol: float = 1e-5
     return dist[token] > 0 and below - tol <= goal <= cdf[token] + tol
 
 
+def test_exact_on_the_cpu_runs_the_cpp_passes_unless_told_not_to(monkeypatch):
+    """verify('exact') on fp32 CPU logits reaches both C++ passes (so the suites that run `exact` test them);
+    backend 'torch', sigmoid, and logits the passes cannot read (fp16) stay on torch."""
+    calls = []
+    for name in ("row_lse", "residual_pick"):
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    target = _logits(2, 4, 300, seed=3, sparse=False)
+    draft = target[:, :3] + 0.5
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    sampling = SamplingConfig(temperature=0.9)
+    specviz.verify("exact", tokens, draft, target, sampling, torch.Generator().manual_seed(0))
+    assert calls == ["row_lse", "row_lse", "residual_pick"]
+    calls.clear()
+    specviz.verify("exact", tokens, draft, target, sampling, torch.Generator().manual_seed(0), backend="torch")
+    specviz.verify("sigmoid", tokens, draft, target, sampling, torch.Generator().manual_seed(0))
+    specviz.verify("exact", tokens, draft.half(), target.half(), sampling, torch.Generator().manual_seed(0))
+    assert calls == []
+
+
 @pytest.mark.parametrize("V", [7, 1000, 151_936])
 def test_decisions_agree_with_the_torch_path(V: int):
     """Same seeds, same uniforms: n_accepted equal wherever u is not within 1e-5 of p/q, next_token equal in
@@ -80,7 +100,7 @@ def test_decisions_agree_with_the_torch_path(V: int):
         ratio = (torch_out.p_draft.double() / (lenience * torch_out.q_draft.double()))
         clear = ((native_out.uniforms.double() - ratio).abs() > 1e-5).all(dim=-1)
         assert torch.equal(native_out.n_accepted[clear], torch_out.n_accepted[clear]), case
-        torch.rand((B, gamma), generator=gen_state)
+        assert torch.equal(torch.rand((B, gamma), generator=gen_state), native_out.uniforms)  # the documented order
         u_res = torch.rand((B,), generator=gen_state).double().numpy()
         p = torch.softmax(target.double() / temperature, dim=-1).numpy()
         qd = torch.softmax(draft.double() / temperature, dim=-1).numpy()

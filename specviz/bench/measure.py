@@ -89,8 +89,9 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
       stream is idle, uniforms drawn beforehand;
     - gpu_us (kernel path): CUDA events right around the kernel launches: GPU time only;
     - host_us: the host's share of a call. Kernel path: call_us - gpu_us (Python, launches, uniforms,
-      readback). Torch path, where all of it runs on the host: the same call at V = 16 and the same B, γ and
-      mode, i.e. the per-call cost that does not grow with the vocabulary (Python, dispatch, small ops);
+      readback). Torch and cpp paths (cpp: `exact` with its two full-vocabulary passes in C++, the CPU's
+      default), where all of it runs on the host: the same call at V = 16 and the same B, γ and mode, i.e.
+      the per-call cost that does not grow with the vocabulary (Python, dispatch, small ops);
     - speedup: the baseline's call_us over this row's (same V, B, γ, dtype);
     - floor_bytes = (2γ+1)·V·B·s and achieved_GBps = floor / gpu_us (call_us where there is no gpu_us).
     top_k > 0 and top_p < 1 add those filters to the sampling (temperature 1); the kernel path applies them
@@ -99,11 +100,13 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
     import torch
 
     from specviz.config import SamplingConfig
-    from specviz.verify import kernels_active, project_kernels, verify
+    from specviz.verify import cpu, kernels_active, project_kernels, verify
 
     sampling = SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p)
     kernels_on = device.type == "cuda" and kernels_active()
-    backends = ["torch"] + (["cuda"] if kernels_on else [])
+    # on the CPU, 'auto' is exact's C++ passes (path "cpp"); 'torch' keeps everything in torch
+    backends = ["torch"] + (["cuda"] if kernels_on else ["auto"] if device.type == "cpu" and cpu.available() else [])
+    path_name = {"torch": "torch", "cuda": "kernel", "auto": "cpp"}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for V in vocabs:
@@ -119,15 +122,15 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
                     baseline_us = None
                     for mode in ("baseline", "exact", "sigmoid"):
                         for backend in backends:
-                            if mode == "baseline" and backend == "cuda":
-                                continue
+                            if backend == "cuda" and mode == "baseline" or backend == "auto" and mode != "exact":
+                                continue  # no kernel for transformers' algorithm; the C++ passes are exact's
 
                             def call():
                                 verify(mode, tokens, draft, target, sampling, g, backend=backend).host()
 
                             sync()
                             row = {"V": V, "B": B, "gamma": gamma, "dtype": dt, "top_k": top_k, "top_p": top_p, "mode": mode,
-                                   "path": "kernel" if backend == "cuda" else "torch",
+                                   "path": path_name[backend],
                                    "call_us": _median_us(call, warmup, iters), "nocheck_us": None, "gpu_us": None,
                                    "host_us": None, "floor_bytes": floor}
                             if backend == "cuda":

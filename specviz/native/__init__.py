@@ -89,10 +89,13 @@ def library() -> ctypes.CDLL:
             raise KernelBuildError(f"cannot run the C++ compiler: {e}") from e
         key = hashlib.sha256((source_digest() + version + _cpu_signature()).encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"qmatmul-{key}.so"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _build(path)
-        lib = ctypes.CDLL(str(path))
+        try:  # an unwritable cache or a damaged library is a failed build too: callers fall back to torch
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _build(path)
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise KernelBuildError(f"the CPU kernels could not be built or loaded at {path}: {e}") from e
         i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         lib.specviz_q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, cint]
         lib.specviz_q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, cint]

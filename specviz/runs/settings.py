@@ -131,7 +131,8 @@ class Settings:
     # Only the CLI forces a path; the page shows which one ran (device_summary).
     verify_backend: str = _setting(
         AUTO, label="Verification path", control="none", choices=((AUTO, AUTO), ("torch", "torch"), ("cuda", "cuda")),
-        help="auto: CuPy kernels for exact/sigmoid on CUDA when they work; torch: never")
+        help="auto: CuPy kernels for exact/sigmoid on CUDA when they work, exact's full-vocabulary passes in C++ on "
+             "the CPU; torch: torch only; cuda: the CuPy kernels or an error")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

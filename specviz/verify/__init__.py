@@ -136,9 +136,11 @@ def verify(
     mode: 'baseline' (transformers' algorithm), 'exact' (Wagner et al. §3.2.1 tiled pass) or 'sigmoid'
     (Wagner et al. §3.2.2, approximate). lenience l in (0, 1] multiplies q before the comparison
     (Leviathan et al. A.5); 1 keeps the output distribution exact. backend: 'auto' runs `exact` and
-    `sigmoid` on CUDA tensors with the CuPy kernels in kernels/ when they work (same random numbers, same
-    decisions up to floating-point near-ties), 'torch' forces the torch path, 'cuda' requires the kernels
-    for exact and sigmoid (baseline, transformers' algorithm, has no kernel and runs on torch under any backend).
+    `sigmoid` on CUDA tensors with the CuPy kernels in kernels/ when they work, and `exact`'s two
+    full-vocabulary passes on fp32 CPU tensors in C++ (specviz.verify.cpu; both with the same random numbers
+    and the same decisions up to floating-point near-ties); 'torch' runs everything in torch; 'cuda' requires
+    the kernels for exact and sigmoid (baseline, transformers' algorithm, has no kernel and runs on torch
+    under any backend).
     draft_lengths: drafted tokens per row when rows drafted fewer than γ (see the module docstring); ragged
     rows verify on the torch path, which the kernels do not yet take.
 
@@ -164,7 +166,7 @@ def verify_batch(
     _check_metadata(meta)
     _check_shapes(draft_tokens, draft_logits, target_logits, meta.draft_lengths)
     ragged = meta.ragged(draft_tokens.shape[1])
-    if ragged and meta.backend == "cuda":
+    if ragged and meta.backend == "cuda" and meta.mode != "baseline":
         raise ValueError("the CUDA kernels verify rows of equal length; ragged draft_lengths need backend 'auto' or 'torch'")
     if use_kernels(meta.mode, meta.sampling, target_logits, "torch" if ragged and meta.backend == "auto" else meta.backend):
         # No device checks here: the kernels flag bad logits and out-of-range tokens in their one readback.

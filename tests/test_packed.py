@@ -377,6 +377,7 @@ def test_without_a_compiler_auto_falls_back_to_dense_and_packed_says_why(monkeyp
         raise cpu_kernels.KernelBuildError("no C++ compiler found")
 
     monkeypatch.setattr(cpu_kernels, "library", no_build)
+    assert cpu_kernels.available() is False
     said = []
     assert models.use_packed("auto", True, "target", lambda m, f: said.append(m)) is False
     assert "no C++ compiler found" in said[0] and "dense" in said[0]

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
+from typing import Callable
 
 from specviz.cache import cache_dir
 from specviz.paths import KERNELS
@@ -125,9 +126,10 @@ def library() -> ctypes.CDLL:
         return lib
 
 
-def available() -> bool:
+def available(load: Callable[[], ctypes.CDLL] | None = None) -> bool:
+    """Whether the library builds and loads here (`load`: what loads it, `library` unless given)."""
     try:
-        library()
+        (load or library)()
         return True
     except KernelBuildError:
         return False

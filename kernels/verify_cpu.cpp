@@ -1,8 +1,10 @@
 // Exact verification's two full-vocabulary passes on the CPU, for specviz/verify/tiled.py (the torch path
-// keeps everything else: gathers, the acceptance test, the random numbers):
+// keeps everything else: gathers, the acceptance test, the random numbers), and sampling one token:
 //   specviz_row_lse: log Σ exp(scale·z) of every row, reading each logit twice (max, then the sum);
 //   specviz_residual_pick: for each batch row, a token drawn from max(0, p - w·q) at one position, as
-//     Wagner et al.'s tiled pass does: masses per chunk, a uniform picks a chunk, a scan inside it.
+//     Wagner et al.'s tiled pass does: masses per chunk, a uniform picks a chunk, a scan inside it;
+//   specviz_sample_rows: a token from softmax(scale·z) of each row (the same draw with w = 0), for
+//     specviz/sampling.py (torch.multinomial draws an exponential per token on the CPU: 3 ms a row).
 // Why: in torch these passes are ~300 small operations per verification (tiles of a 16,384-wide loop) and
 // took 3-7 ms of a 60-130 ms iteration on two cores; here they read the logits once or twice.
 //
@@ -108,6 +110,7 @@ float row_lse(const float* row, int64_t V, float scale) {
 inline vf residual(const float* zp, const float* zq, int64_t i, int64_t V, float scale, float lp, float lq,
                           float w) {
     const vf p = exp_nonpositive(load(zp, i, V) * splat(scale) - splat(lp));
+    if (w == 0.0f) return p;  // max(0, p - 0·q) = p, without reading q
     const vf q = exp_nonpositive(load(zq, i, V) * splat(scale) - splat(lq));
     const vf r = p - splat(w) * q;
     return r > splat(0.0f) ? r : splat(0.0f);
@@ -194,6 +197,26 @@ void specviz_residual_pick(const float* zp, int64_t psb, int64_t psr, const floa
             int64_t t = pick(p, q, V, scale, pl, ql, w[b], u[b], buf);
             if (t < 0) t = pick(p, q, V, scale, pl, ql, 0.0f, u[b], buf);
             token[b] = t;
+        }
+        delete[] heap;
+    }
+}
+
+// A token from softmax(scale·z[r]) for each row r at the uniform u[r]: z [rows, V] at row stride `stride`,
+// V contiguous; token [rows] out.
+void specviz_sample_rows(const float* z, int64_t rows, int64_t V, int64_t stride, float scale, const float* u,
+                         int64_t* token, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (rows > 1)
+    {
+        double masses[(262144 + CHUNK - 1) / CHUNK + 1];
+        double* heap = nullptr;
+        const int64_t chunks = (V + CHUNK - 1) / CHUNK;
+        double* buf = chunks <= (int64_t)(sizeof masses / sizeof *masses) ? masses : (heap = new double[chunks]);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* row = z + r * stride;
+            const float lse = row_lse(row, V, scale);
+            token[r] = pick(row, row, V, scale, lse, lse, 0.0f, u[r], buf);
         }
         delete[] heap;
     }

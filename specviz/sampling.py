@@ -6,8 +6,11 @@ so draft sampling, the target-only reference and every verification mode share o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from specviz import native
 from specviz.config import SamplingConfig
 
 
@@ -53,12 +56,40 @@ def standardize(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def sample(std_logits: torch.Tensor, generator: torch.Generator | None, greedy: bool) -> torch.Tensor:
-    """Draw one token per row from softmax(std_logits); argmax when greedy (no random number used)."""
+    """Draw one token per row from softmax(std_logits) at the inverse CDF of one uniform per row (never a
+    token of probability 0); argmax when greedy (no random number used).
+
+    Not torch.multinomial: on the CPU it draws an exponential per token, 3 ms a row at V = 151,936 (a sampled
+    draft paid it for every drafted token, target-only decoding for every token). fp32 CPU rows go to C++
+    (specviz.native: masses summed in fp64 per chunk, ~0.25 ms); others to a float64 running sum in torch."""
     if greedy:
         return std_logits.argmax(dim=-1)
-    probs = std_logits.softmax(dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    V = std_logits.shape[-1]
+    rows = std_logits.reshape(-1, V)  # [R, V]
+    u = torch.rand((rows.shape[0],), generator=generator, device=rows.device)  # [R]
+    if _native_rows(rows):
+        picked = torch.empty((rows.shape[0],), dtype=torch.long)
+        native.library().specviz_sample_rows(rows.data_ptr(), rows.shape[0], V, rows.stride(0), 1.0, u.data_ptr(),
+                                             picked.data_ptr(), torch.get_num_threads())
+        return picked.reshape(std_logits.shape[:-1])
+    probs = rows.softmax(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, u.double().unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)  # cdf > goal
+    over = picked >= V
+    if bool(over.any()):  # u·total rounded up to the total: the last token with probability > 0
+        positions = torch.arange(V, device=rows.device)
+        picked = torch.where(over, torch.where(probs > 0, positions, 0).amax(dim=-1), picked)
+    return picked.reshape(std_logits.shape[:-1])
+
+
+@functools.cache
+def _native_available() -> bool:
+    return native.available()
+
+
+def _native_rows(rows: torch.Tensor) -> bool:  # rows [R, V]
+    return (rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.stride(-1) == 1
+            and _native_available())
 
 
 def draw(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:

@@ -108,6 +108,7 @@ def _decision(d):
         (lambda d: _decision(d).update(n_accepted=99), "n_accepted 99"),
         (lambda d: _decision(d).update(step=10_000), "refers to step"),
         (lambda d: d["steps"][0].update(sequences=[7]), "names a sequence"),
+        (lambda d: d["steps"][0].update(sequences=[]), "scores no sequence"),
         (lambda d: d["steps"][0].update(cache_holes=10**9), "more holes than slots"),
         (lambda d: d.update(steps={}), "'steps' in trace must be a list"),
         (lambda d: d.update(total_s=True), r"'total_s' in trace should be a finite number .* got a boolean"),

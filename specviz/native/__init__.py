@@ -5,7 +5,7 @@ Built with the system's C++ compiler, -O3 -march=native and OpenMP, into the mod
 source, the compiler and the CPU), so each machine gets code for its own instruction set; later processes
 load the built library in milliseconds. OpenMP resolves to the libgomp that torch has already loaded, so the
 kernels and torch share one pool of threads (two pools on two cores would fight for them). The models'
-wrappers are in specviz.models.cpu_kernels, verification's in specviz.verify.cpu. Imports cache and paths only
+wrappers are in specviz.models.cpu_kernels, verification's in specviz.verify.cpu, sampling's in specviz.sampling. Imports cache and paths only
 (the layer every other package may import).
 """
 
@@ -117,7 +117,8 @@ def library() -> ctypes.CDLL:
         lib.specviz_row_lse.argtypes = [ptr, i64, i64, i64, i64, i64, f32, ptr, cint]
         lib.specviz_residual_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
                                               f32, ptr, cint]
-        functions += [lib.specviz_row_lse, lib.specviz_residual_pick]
+        lib.specviz_sample_rows.argtypes = [ptr, i64, i64, i64, f32, ptr, ptr, cint]
+        functions += [lib.specviz_row_lse, lib.specviz_residual_pick, lib.specviz_sample_rows]
         for f in functions:
             f.restype = None
         lib.specviz_isa.restype = ctypes.c_char_p

@@ -66,6 +66,8 @@ def _check_meta(meta: dict[str, Any]) -> None:
 def _check_step(k: int, step: StepRecord, n_sequences: int) -> None:
     if step.index != k:
         raise TraceFormatError(f"malformed trace: step {k} says it is step {step.index}")
+    if not step.sequences:  # every iteration scores at least one row (the prediction divides by their number)
+        raise TraceFormatError(f"malformed trace: step {k} scores no sequence")
     if any(not 0 <= s < n_sequences for s in step.sequences):
         raise TraceFormatError(f"malformed trace: step {k} names a sequence that the trace does not have")
     if step.gamma < 0 or min(step.real_tokens, step.pad_tokens, step.cache_slots, step.cache_holes) < 0 \

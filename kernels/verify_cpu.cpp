@@ -19,6 +19,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include <vector>
+
 // No multiply-add contraction in this file (FMA exists on some builds, not on others): every build rounds
 // each product and each sum on its own. Pragmas for the whole file, so that its functions still inline.
 #if defined(__clang__)
@@ -184,21 +186,17 @@ void specviz_residual_pick(const float* zp, int64_t psb, int64_t psr, const floa
                            const float* w, const float* u, float scale, int64_t* token, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (B > 1)
     {
-        double masses[(262144 + CHUNK - 1) / CHUNK + 1];
-        double* heap = nullptr;
-        const int64_t chunks = (V + CHUNK - 1) / CHUNK;
-        double* buf = chunks <= (int64_t)(sizeof masses / sizeof *masses) ? masses : (heap = new double[chunks]);
+        std::vector<double> masses((V + CHUNK - 1) / CHUNK);  // this thread's chunk masses
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
             const int64_t at = n[b], qat = at < gamma ? at : gamma - 1;
             const float* p = zp + b * psb + at * psr;
             const float* q = zq + b * qsb + qat * qsr;
             const float pl = lp[b * (gamma + 1) + at], ql = lq[b * gamma + qat];
-            int64_t t = pick(p, q, V, scale, pl, ql, w[b], u[b], buf);
-            if (t < 0) t = pick(p, q, V, scale, pl, ql, 0.0f, u[b], buf);
+            int64_t t = pick(p, q, V, scale, pl, ql, w[b], u[b], masses.data());
+            if (t < 0) t = pick(p, q, V, scale, pl, ql, 0.0f, u[b], masses.data());
             token[b] = t;
         }
-        delete[] heap;
     }
 }
 
@@ -208,17 +206,13 @@ void specviz_sample_rows(const float* z, int64_t rows, int64_t V, int64_t stride
                          int64_t* token, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (rows > 1)
     {
-        double masses[(262144 + CHUNK - 1) / CHUNK + 1];
-        double* heap = nullptr;
-        const int64_t chunks = (V + CHUNK - 1) / CHUNK;
-        double* buf = chunks <= (int64_t)(sizeof masses / sizeof *masses) ? masses : (heap = new double[chunks]);
+        std::vector<double> masses((V + CHUNK - 1) / CHUNK);  // this thread's chunk masses
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             const float* row = z + r * stride;
             const float lse = row_lse(row, V, scale);
-            token[r] = pick(row, row, V, scale, lse, lse, 0.0f, u[r], buf);
+            token[r] = pick(row, row, V, scale, lse, lse, 0.0f, u[r], masses.data());
         }
-        delete[] heap;
     }
 }
 

@@ -6,8 +6,6 @@ so draft sampling, the target-only reference and every verification mode share o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from specviz import native
@@ -82,14 +80,8 @@ def sample(std_logits: torch.Tensor, generator: torch.Generator | None, greedy: 
     return picked.reshape(std_logits.shape[:-1])
 
 
-@functools.cache
-def _native_available() -> bool:
-    return native.available()
-
-
 def _native_rows(rows: torch.Tensor) -> bool:  # rows [R, V]
-    return (rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.stride(-1) == 1
-            and _native_available())
+    return rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.stride(-1) == 1 and native.available()
 
 
 def draw(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:

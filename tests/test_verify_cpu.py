@@ -21,7 +21,7 @@ from specviz.config import SamplingConfig
 from specviz.paths import KERNELS
 from specviz.verify import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(not native.available(), reason="the CPU kernels do not build here")
 
 
 def _logits(B: int, rows: int, V: int, seed: int, sparse: bool, spread: float = 3.0) -> torch.Tensor:

@@ -100,12 +100,13 @@ def verify_microbench(device: "torch.device", vocabs=(51_865, 151_936, 256_000),
     import torch
 
     from specviz.config import SamplingConfig
-    from specviz.verify import cpu, kernels_active, project_kernels, verify
+    from specviz import native
+    from specviz.verify import kernels_active, project_kernels, verify
 
     sampling = SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p)
     kernels_on = device.type == "cuda" and kernels_active()
     # on the CPU, 'auto' is exact's C++ passes (path "cpp"); 'torch' keeps everything in torch
-    backends = ["torch"] + (["cuda"] if kernels_on else ["auto"] if device.type == "cpu" and cpu.available() else [])
+    backends = ["torch"] + (["cuda"] if kernels_on else ["auto"] if device.type == "cpu" and native.available() else [])
     path_name = {"torch": "torch", "cuda": "kernel", "auto": "cpp"}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []

@@ -73,58 +73,71 @@ def _build(out: Path) -> None:
 
 _lock = threading.Lock()  # guards the one-time build and load below (the page decodes from several threads)
 _library: ctypes.CDLL | None = None
+_failure: str | None = None  # why the build or load failed: not tried again in this process
 _max_rows = 0
 
 
 def library() -> ctypes.CDLL:
-    """The loaded kernel library, built on first use on this machine."""
-    global _library, _max_rows
+    """The loaded kernel library, built on first use on this machine; KernelBuildError where it cannot be
+    (every later call says the same at once, so asking costs nothing on any path)."""
+    global _library, _failure
     if _library is not None:  # set once, never unset: read without the lock on every call (the hot path)
         return _library
     with _lock:
-        if _library is not None:
-            return _library
-        try:
-            version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
-        except OSError as e:
-            raise KernelBuildError(f"cannot run the C++ compiler: {e}") from e
-        key = hashlib.sha256((source_digest() + version + _cpu_signature()).encode()).hexdigest()[:16]
-        path = cache_dir() / "kernels" / f"qmatmul-{key}.so"
-        try:  # an unwritable cache or a damaged library is a failed build too: callers fall back to torch
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                _build(path)
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise KernelBuildError(f"the CPU kernels could not be built or loaded at {path}: {e}") from e
-        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.specviz_q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, cint]
-        lib.specviz_q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, cint]
-        lib.specviz_q4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
-        lib.specviz_q8_dequant.argtypes = [ptr, ptr, i64, i64, i64, ptr]
-        functions = [lib.specviz_q4_matmul, lib.specviz_q8_matmul, lib.specviz_q4_dequant, lib.specviz_q8_dequant]
-        if lib.specviz_has_attention():
-            lib.specviz_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                                              ptr, cint]
-            functions.append(lib.specviz_attention)
-        if lib.specviz_has_a8():
-            lib.specviz_int8_peak.argtypes = [i64, cint]
-            lib.specviz_int8_peak.restype = ctypes.c_double
-            lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
-            lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
-            functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul]
-        f32 = ctypes.c_float
-        lib.specviz_row_lse.argtypes = [ptr, i64, i64, i64, i64, i64, f32, ptr, cint]
-        lib.specviz_residual_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
-                                              f32, ptr, cint]
-        lib.specviz_sample_rows.argtypes = [ptr, i64, i64, i64, f32, ptr, ptr, cint]
-        functions += [lib.specviz_row_lse, lib.specviz_residual_pick, lib.specviz_sample_rows]
-        for f in functions:
-            f.restype = None
-        lib.specviz_isa.restype = ctypes.c_char_p
-        _max_rows = lib.specviz_max_rows()
-        _library = lib
-        return lib
+        if _library is None:
+            if _failure is not None:
+                raise KernelBuildError(_failure)
+            try:
+                _library = _load()
+            except KernelBuildError as e:
+                _failure = str(e)
+                raise
+    return _library
+
+
+def _load() -> ctypes.CDLL:
+    """Build (first use on this machine) and load the library, its functions declared."""
+    global _max_rows
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
+    except OSError as e:
+        raise KernelBuildError(f"cannot run the C++ compiler: {e}") from e
+    key = hashlib.sha256((source_digest() + version + _cpu_signature()).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"qmatmul-{key}.so"
+    try:  # an unwritable cache or a damaged library is a failed build too: callers fall back to torch
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"the CPU kernels could not be built or loaded at {path}: {e}") from e
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.specviz_q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, cint]
+    lib.specviz_q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, cint]
+    lib.specviz_q4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
+    lib.specviz_q8_dequant.argtypes = [ptr, ptr, i64, i64, i64, ptr]
+    functions = [lib.specviz_q4_matmul, lib.specviz_q8_matmul, lib.specviz_q4_dequant, lib.specviz_q8_dequant]
+    if lib.specviz_has_attention():
+        lib.specviz_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                                          ptr, cint]
+        functions.append(lib.specviz_attention)
+    if lib.specviz_has_a8():
+        lib.specviz_int8_peak.argtypes = [i64, cint]
+        lib.specviz_int8_peak.restype = ctypes.c_double
+        lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
+        lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
+        functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul]
+    f32 = ctypes.c_float
+    lib.specviz_row_lse.argtypes = [ptr, i64, i64, i64, i64, i64, f32, ptr, cint]
+    lib.specviz_residual_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                          f32, ptr, cint]
+    lib.specviz_sample_rows.argtypes = [ptr, i64, i64, i64, f32, ptr, ptr, cint]
+    functions += [lib.specviz_row_lse, lib.specviz_residual_pick, lib.specviz_sample_rows]
+    for f in functions:
+        f.restype = None
+    lib.specviz_isa.restype = ctypes.c_char_p
+    _max_rows = lib.specviz_max_rows()
+    return lib
 
 
 def available(load: Callable[[], ctypes.CDLL] | None = None) -> bool:

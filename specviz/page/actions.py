@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from specviz import openmp
+from specviz import native, openmp
 from specviz.figures import report
 from specviz.speech.audio import load_audio
 from specviz.runs.compare import Row, compare, hf_assisted_runs, noise, source_runner
@@ -41,13 +41,13 @@ from specviz.runs.settings import TEXT, Settings, declaration
 from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE, task_of
 from specviz.figures.token_view import token_html
 from specviz.traces.trace import Trace
-from specviz.verify import cpu as verify_cpu, kernels_active
+from specviz.verify import kernels_active
 
 def device_summary() -> str:
     if torch.cuda.is_available():
         kernels = "CuPy kernels active" if kernels_active() else "torch path (CuPy kernels unavailable)"
         return f"GPU: {torch.cuda.get_device_name(0)} · verification: {kernels}"
-    passes = "exact's full-vocabulary passes in C++" if verify_cpu.available() else "torch path"
+    passes = "exact's full-vocabulary passes in C++" if native.available() else "torch path"
     return f"CPU ({torch.get_num_threads()} threads) · verification: {passes}"
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
+from specviz import native
 from specviz.config import SpecConfig
 from specviz.decoding.engine import generate
 from specviz.decoding.records import Event
 from specviz.decoding.source import Source
 from specviz.traces.trace import Trace, TraceBuilder
-from specviz.verify import cpu as verify_cpu
 
 DEFAULT_BATCH = 8  # sequences decoded together at most; more are decoded in consecutive groups
 
@@ -35,7 +35,7 @@ def records(source: Source, cfg: SpecConfig, *, target_only: bool = False,
             batch_size: int = DEFAULT_BATCH) -> Iterator[Event]:
     # the C++ verification passes are built (first run on a machine) or loaded before the run's clock starts,
     # not inside its first verification
-    verify_cpu.available()
+    native.available()
     return generate(source, cfg, target_only=target_only, batch_size=batch_size)
 
 

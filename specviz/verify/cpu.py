@@ -8,22 +8,14 @@ for fp32 CPU logits whose last dimension is contiguous, where the library builds
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from specviz import native
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the C++ passes run here (the kernels' library builds)."""
-    return native.available()
-
-
 def applies(*logits: torch.Tensor) -> bool:
-    """Whether these logits ([..., V] each) can go to the C++ passes as they are."""
-    return available() and all(z.device.type == "cpu" and z.dtype == torch.float32 and z.dim() == 3
+    """Whether these logits ([..., V] each) can go to the C++ passes as they are (and the library loads here)."""
+    return native.available() and all(z.device.type == "cpu" and z.dtype == torch.float32 and z.dim() == 3
                                and z.stride(-1) == 1 for z in logits)
 
 

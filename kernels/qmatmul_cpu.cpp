@@ -259,29 +259,40 @@ void run(const float* xp, int64_t M, int64_t K, int64_t N, const float* bias, fl
 }
 
 #ifdef SPECVIZ_AVX2
-// ---- 8-bit activations (opt-in): integer dot products within each group of 32 ----------------------------
-// Each row of x is quantized on its own, per group of 32 elements along K (the weights' groups):
-// d = max|x| / 127, code = round(x / d) in -127..127. A row's codes and scales depend on that row alone, so
-// batch invariance holds as with fp32 activations. Within a group the products are summed exactly in
-// integers (vpmaddubsw: 32 multiply-adds per instruction, 4× an fp32 FMA's 8); the groups are accumulated
-// in fp32 in a fixed order. q4's subtracted minimum multiplies the group's exact fp32 sum of x, so only the
-// q·x part carries the activation rounding. A NaN or infinity in a group makes its outputs NaN, as fp32 would.
+// ---- 8-bit activations: integer dot products, eight output columns per vector ---------------------------------
+// Each row of x is quantized on its own, per group of 32 elements along K: d = max|x| / 127, code =
+// round(x / d) in -127..127. A row's codes and scales depend on that row alone, so batch invariance holds as
+// with fp32 activations. q4's subtracted minimum multiplies the group's exact fp32 sum of x, so only the q·x
+// part carries the activation rounding. A NaN or infinity in a group makes its outputs NaN, as fp32 would.
+//
+// The weights are stored interleaved for these kernels (specviz_q4_interleave / specviz_q8_interleave, once at
+// load): eight output columns side by side, 4 bytes of each per 32-byte vector, so one vpdpbusd with four
+// activation codes broadcast computes 4 multiply-adds for each of eight columns, and lane l of every vector
+// belongs to column l. A group's exact integer sum then needs no reduction across lanes, and the float step
+// (convert, scale, accumulate) is paid once per group of 32 for eight columns instead of once per 4 weights
+// and column: measured on the 2-core Zen 4, the q4 gate projection (8960 × 1536) at 256 rows 27 → 13 ms, at 8
+// rows 0.94 → 0.62 ms, at one row 0.49 → 0.32 ms (the column-major stream prefetches better); docs/benchmarks.md.
+//   q4: [N8, K/8, 8, 4] bytes (N8 = N rounded up to 8 columns): in chunk j, byte i of column l holds element
+//       8j + i in its low nibble and 8j + 4 + i in its high one; scale and minv [N8, K/32, 8].
+//   q8: [N8, K/4, 8, 4] bytes, w + 128 (unsigned, for vpdpbusd: Σ(w + 128)·c = Σ w·c + 128 Σ c, and the
+//       codes' integer sums per 16 are kept to take that back off); scale [N8, K/group, 8].
+// Every output column is its own fp32 lane: acc = fma(float(integer sum of group g), w_scale · x_scale, acc)
+// (q4: then acc -= minv · sum of x), groups in order along K, whatever the tile; the same operations for a
+// row whatever M is and whichever rows or columns share its tile.
 
-struct Act {                 // one call's activations, quantized
-    std::vector<int8_t> q;   // [M, K] codes, in the weight format's order within each block
-    std::vector<float> d;    // [M, K/32] the groups' scales
-    std::vector<float> sum;  // [M, K/32] the groups' fp32 sums of x (q4's minimum term)
-    std::vector<float> dv;   // q4 only: [M, K/64, 8] a block's scale lanes (0-3: its first group, 4-7: its second)
+struct Act {                    // one call's activations, quantized
+    std::vector<int8_t> q;      // [M, K] codes, in natural order
+    std::vector<float> d;       // [M, K/32] the groups' scales
+    std::vector<float> sum;     // [M, K/32] the groups' fp32 sums of x (q4's minimum term)
+    std::vector<int32_t> csum;  // [M, K/16] the codes' integer sums per 16 (q8's unsigned offset)
 };
 
-// q4 blocks of 64 hold element 2i in byte i's low nibble and 2i + 1 in its high nibble: codes go in that
-// order (the 32 even elements, then the 32 odd ones), so one and / one shift-and unpack a block.
-void quantize(const float* x, int64_t M, int64_t K, bool q4_order, int nthreads, Act& a) {
+void quantize(const float* x, int64_t M, int64_t K, int nthreads, Act& a) {
     const int64_t G = K / 32;
     a.q.resize(M * K);
     a.d.resize(M * G);
     a.sum.resize(M * G);
-    if (q4_order) a.dv.resize(M * (K / 64) * 8);
+    a.csum.resize(M * (K / 16));
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < M; ++r)
         for (int64_t g = 0; g < G; ++g) {
@@ -296,192 +307,213 @@ void quantize(const float* x, int64_t M, int64_t K, bool q4_order, int nthreads,
             const float inv = finite && d > 0.0f ? 1.0f / d : 0.0f;
             a.d[r * G + g] = d;
             a.sum[r * G + g] = finite ? s : __builtin_nanf("");
+            int32_t halves[2] = {0, 0};
             for (int i = 0; i < 32; ++i) {
-                const int64_t e = g * 32 + i;  // element along K
-                const int64_t at = q4_order ? (e / 64) * 64 + (e % 2) * 32 + (e % 64) / 2 : e;
                 float c = __builtin_nearbyintf(v[i] * inv);
                 c = c > 127.0f ? 127.0f : (c < -127.0f ? -127.0f : c);
-                a.q[r * K + at] = static_cast<int8_t>(finite ? c : 0.0f);
+                const int8_t code = static_cast<int8_t>(finite ? c : 0.0f);
+                a.q[r * K + g * 32 + i] = code;
+                halves[i / 16] += code;
             }
+            a.csum[r * (K / 16) + 2 * g] = halves[0];
+            a.csum[r * (K / 16) + 2 * g + 1] = halves[1];
         }
-    if (q4_order)
-        for (int64_t r = 0; r < M; ++r)
-            for (int64_t b = 0; b < K / 64; ++b)
-                for (int l = 0; l < 8; ++l) a.dv[(r * (K / 64) + b) * 8 + l] = a.d[r * G + 2 * b + l / 4];
 }
 
 // Integer dot products of unsigned 8-bit weights with signed 8-bit codes, four products summed per 32-bit
-// lane. With VNNI one vpdpbusd does it; without, vpmaddubsw sums pairs into int16 (no saturation at these
-// ranges, bounds below) and vpmaddwd with ones sums those. Both give the exact integer sums, so a build
-// with VNNI computes the same bits as one without.
+// lane. With VNNI one vpdpbusd does it; without, vpmaddubsw sums pairs into int16 and vpmaddwd with ones sums
+// those. Both give the exact integer sums, so a build with VNNI computes the same bits as one without.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPECVIZ_VNNI 1
 inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
-inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
-}
 #elif defined(__AVXVNNI__)
 #define SPECVIZ_VNNI 1
 inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
-inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
-}
 #else
-// |w| ≤ 128, |x| ≤ 127: a pair sums to ≤ 32,512, inside int16
-inline __m256i dot4(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi32(acc, dot4(u, s)); }
-// q4's |15 · 127| · 2 per pair and two pairs summed: 7,620, inside int16
-inline __m256i dot4x2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
-                             _mm256_set1_epi16(1));
+// q4: |15 · 127| · 2 per pair, inside int16
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #endif
 
-// Tile shape: A8_NB columns share each row's activation loads; A8_MT rows share each column's unpacked
-// weights. With AVX-512's 32 vector registers, 4 × 4 accumulators fit beside the weights and codes; with
-// AVX2's 16, 2 × 4. Measured on a 2-core AMD EPYC (Zen 4, AVX-512 VNNI), weights streamed from DRAM, the
-// gate projection (q4, 8960 × 1536): VNNI with 4-row tiles took 8 rows from 1.49 to 1.13 ms, and prefetching
-// the next tile's rows (below) took 4 rows from 0.84 to 0.54 ms and 8 rows to 0.91 (docs/benchmarks.md).
-constexpr int A8_NB = 4;
-#ifdef __AVX512F__
-constexpr int A8_MT = 4;
+// q8's stored w + 128 times the codes. With VNNI: vpdpbusd on the stored bytes (the 128 Σ c comes off per
+// group, `q8_offset`). Without: (w + 128) · c could overflow vpmaddubsw's int16 pairs (159 · 127 · 2), so the
+// sign moves to the codes instead (|w| ≤ 128, |c| ≤ 127: a pair ≤ 32,512) and nothing comes off.
+inline __m256i q8_dot_add(__m256i acc, __m256i stored, __m256i codes) {
+#ifdef SPECVIZ_VNNI
+    return dot4_add(acc, stored, codes);
 #else
-constexpr int A8_MT = 2;
+    const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return dot4_add(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(codes, w));
 #endif
-
-// The minimum term of q4, Σ_g minv[g] · sum[g], in a fixed order.
-inline float min_term(const float* minv, const float* sum, int64_t G) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(minv + g), _mm256_loadu_ps(sum + g), acc);
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    float tail = 0.0f;
-    for (; g < G; ++g) tail = __builtin_fmaf(minv[g], sum[g], tail);
-    return reduce(lanes) + tail;
 }
 
-// Every (row, column) output: one 8-lane fp32 accumulator, += (exact integer sums of a block) × (its weight
-// scales × the row's scales), blocks in order along K; the same operations whatever MT and NT are, so a row's
-// result does not depend on the tile it falls in.
+inline int32_t q8_offset(int32_t code_sum) {
+#ifdef SPECVIZ_VNNI
+    return 128 * code_sum;
+#else
+    (void)code_sum;
+    return 0;
+#endif
+}
+
+inline __m256i broadcast4(const int8_t* p) {  // four codes into every lane
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+struct A8Out {  // where a tile's results go
+    float* y; int64_t N; const float* bias;
+    void store(int64_t row, int64_t block, __m256 acc) const {  // columns 8·block … of row, those < N
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc);
+        for (int l = 0; l < 8 && block * 8 + l < N; ++l)
+            y[row * N + block * 8 + l] = lanes[l] + (bias ? bias[block * 8 + l] : 0.0f);
+    }
+};
+
+// MT rows × NT blocks of eight columns, rows m0 …, blocks b0 …
 template <int MT, int NT>
-void q4a8_tile(const Q4Format& f, const Act& a, int64_t m0, int64_t n0, int64_t N, const float* bias, float* y) {
-    const int64_t K = f.K, G = K / 32;
+void q4a8_tile(const uint8_t* q, const float* scale, const float* minv, int64_t K, const Act& a, int64_t m0,
+               int64_t b0, const A8Out& out) {
+    const int64_t G = K / 32;
     const __m256i nibble = _mm256_set1_epi8(15);
     __m256 acc[MT][NT];
     for (int m = 0; m < MT; ++m)
         for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
-    const uint8_t* wrow[NT];  // each column's weight row and scales, walked by pointer (no index arithmetic)
-    const float* srow[NT];
-    for (int n = 0; n < NT; ++n) {
-        wrow[n] = f.q + (n0 + n) * (K / 2);
-        srow[n] = f.scale + (n0 + n) * G;
-    }
-    const int8_t* xrow = a.q.data() + m0 * K;
-    const float* dvrow = a.dv.data() + m0 * (K / 64) * 8;
-    const __m256i pair = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);  // lanes 0-3: a block's first scale, 4-7: its second
-    for (int64_t b = 0; b < K; b += 64) {
-        __m256 sx[MT];
-        __m256i x0[MT], x1[MT];
+    const uint8_t* w = q + b0 * K * 4;  // the tile's blocks lie one after another, K * 4 bytes each
+    const int8_t* x = a.q.data() + m0 * K;
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i sums[MT][NT];
+        for (int m = 0; m < MT; ++m)
+            for (int n = 0; n < NT; ++n) sums[m][n] = _mm256_setzero_si256();
+        for (int64_t j = 4 * g; j < 4 * g + 4; ++j) {  // chunks of 8 elements
+            __m256i lo[NT], hi[NT];
+            for (int n = 0; n < NT; ++n) {
+                const uint8_t* at = w + n * K * 4 + j * 32;
+                _mm_prefetch(reinterpret_cast<const char*>(at + NT * K * 4), _MM_HINT_T0);  // the next tile's
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+                lo[n] = _mm256_and_si256(v, nibble);
+                hi[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            }
+            for (int m = 0; m < MT; ++m) {
+                const __m256i xl = broadcast4(x + m * K + 8 * j), xh = broadcast4(x + m * K + 8 * j + 4);
+                for (int n = 0; n < NT; ++n) sums[m][n] = dot4_add(dot4_add(sums[m][n], lo[n], xl), hi[n], xh);
+            }
+        }
+        __m256 sw[NT], mw[NT];
+        for (int n = 0; n < NT; ++n) {
+            sw[n] = _mm256_loadu_ps(scale + ((b0 + n) * G + g) * 8);
+            mw[n] = _mm256_loadu_ps(minv + ((b0 + n) * G + g) * 8);
+        }
         for (int m = 0; m < MT; ++m) {
-            sx[m] = _mm256_loadu_ps(dvrow + (m * (K / 64) + b / 64) * 8);
-            x0[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * K + b));
-            x1[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * K + b + 32));
-        }
-        for (int n = 0; n < NT; ++n) {
-            const uint8_t* wp = wrow[n] + b / 2;
-            // the same place in the next tile's rows (this tile's own rows are being read already), and its
-            // scales once per cache line of them
-            _mm_prefetch(reinterpret_cast<const char*>(wp + NT * (K / 2)), _MM_HINT_T0);
-            if (b % 512 == 0) _mm_prefetch(reinterpret_cast<const char*>(srow[n] + b / 32 + NT * G), _MM_HINT_T0);
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-            const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-            const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(srow[n] + b / 32)));
-            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pair);
-            for (int m = 0; m < MT; ++m)
-                acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4x2(lo, x0[m], hi, x1[m])), _mm256_mul_ps(sw, sx[m]),
-                                            acc[m][n]);
+            const __m256 sx = _mm256_set1_ps(a.d[(m0 + m) * G + g]), xs = _mm256_set1_ps(a.sum[(m0 + m) * G + g]);
+            for (int n = 0; n < NT; ++n) {
+                acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][n]), _mm256_mul_ps(sw[n], sx), acc[m][n]);
+                acc[m][n] = _mm256_fnmadd_ps(mw[n], xs, acc[m][n]);
+            }
         }
     }
-    alignas(32) float lanes[8];
     for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NT; ++n) {
-            _mm256_store_ps(lanes, acc[m][n]);
-            const float mins = min_term(f.minv + (n0 + n) * G, a.sum.data() + (m0 + m) * G, G);
-            y[(m0 + m) * N + n0 + n] = (reduce(lanes) - mins) + (bias ? bias[n0 + n] : 0.0f);
-        }
+        for (int n = 0; n < NT; ++n) out.store(m0 + m, b0 + n, acc[m][n]);
 }
 
-template <int MT, int NT, int64_t GROUP>
-void q8a8_tile(const Q8Format<GROUP>& f, const Act& a, int64_t m0, int64_t n0, int64_t N, const float* bias,
-               float* y) {
-    const int64_t K = f.K, G = K / 32;
+template <int MT, int NT, int GROUP>
+void q8a8_tile(const uint8_t* q, const float* scale, int64_t K, const Act& a, int64_t m0, int64_t b0,
+               const A8Out& out) {
+    const int64_t G = K / GROUP, G32 = K / 32;
     __m256 acc[MT][NT];
     for (int m = 0; m < MT; ++m)
         for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K; b += 32) {
-        __m256 sx[MT];
-        __m256i xq[MT];
+    const uint8_t* w = q + b0 * K * 8;
+    const int8_t* x = a.q.data() + m0 * K;
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i sums[MT][NT];
+        for (int m = 0; m < MT; ++m)
+            for (int n = 0; n < NT; ++n) sums[m][n] = _mm256_setzero_si256();
+        for (int64_t j = g * (GROUP / 4); j < (g + 1) * (GROUP / 4); ++j) {  // chunks of 4 elements
+            __m256i v[NT];
+            for (int n = 0; n < NT; ++n) {
+                const uint8_t* at = w + n * K * 8 + j * 32;
+                _mm_prefetch(reinterpret_cast<const char*>(at + NT * K * 8), _MM_HINT_T0);
+                v[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+            }
+            for (int m = 0; m < MT; ++m) {
+                const __m256i xv = broadcast4(x + m * K + 4 * j);
+                for (int n = 0; n < NT; ++n) sums[m][n] = q8_dot_add(sums[m][n], v[n], xv);
+            }
+        }
+        __m256 sw[NT];
+        for (int n = 0; n < NT; ++n) sw[n] = _mm256_loadu_ps(scale + ((b0 + n) * G + g) * 8);
         for (int m = 0; m < MT; ++m) {
-            sx[m] = _mm256_set1_ps(a.d[(m0 + m) * G + b / 32]);
-            xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * K + b));
-        }
-        for (int n = 0; n < NT; ++n) {
-            const int8_t* wp = f.q + (n0 + n) * K + b;
-            _mm_prefetch(reinterpret_cast<const char*>(wp + NT * K), _MM_HINT_T0);  // the next tile's rows, as in q4
-            if (b % (16 * GROUP) == 0)
-                _mm_prefetch(reinterpret_cast<const char*>(f.scale + (n0 + n + NT) * (K / GROUP) + b / GROUP), _MM_HINT_T0);
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-            const __m256i wabs = _mm256_sign_epi8(w, w);  // unsigned |w| for the u8 × s8 product; w's sign moves to x
-            const float* row = f.scale + (n0 + n) * (K / GROUP);
-            const __m256 sw = GROUP == 16 ? _mm256_set_m128(_mm_set1_ps(row[(b + 16) / 16]), _mm_set1_ps(row[b / 16]))
-                                          : _mm256_set1_ps(row[b / GROUP]);
-            for (int m = 0; m < MT; ++m)
-                acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(wabs, _mm256_sign_epi8(xq[m], w))),
-                                            _mm256_mul_ps(sw, sx[m]), acc[m][n]);
+            const int32_t* halves = a.csum.data() + (m0 + m) * (K / 16) + g * (GROUP / 16);
+            const __m256i off = _mm256_set1_epi32(q8_offset(GROUP == 16 ? halves[0] : halves[0] + halves[1]));
+            const __m256 sx = _mm256_set1_ps(a.d[(m0 + m) * G32 + g * GROUP / 32]);
+            for (int n = 0; n < NT; ++n)
+                acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[m][n], off)),
+                                            _mm256_mul_ps(sw[n], sx), acc[m][n]);
         }
     }
-    alignas(32) float lanes[8];
     for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NT; ++n) {
-            _mm256_store_ps(lanes, acc[m][n]);
-            y[(m0 + m) * N + n0 + n] = reduce(lanes) + (bias ? bias[n0 + n] : 0.0f);
-        }
+        for (int n = 0; n < NT; ++n) out.store(m0 + m, b0 + n, acc[m][n]);
 }
 
-// Threads split the columns; within a column tile, rows go A8_MT at a time and the rest in one smaller tile
-// (the same operations for a row either way). Tile sizes are compile-time constants (`tile` takes them as
-// std::integral_constant) so that the accumulators stay in registers.
-template <int MT, typename Tile>
-inline void a8_columns(const Tile& tile, int64_t m, int64_t n0, int nb) {
+// Tile shapes, measured on the 2-core Zen 4 (docs/benchmarks.md). With AVX-512's 32 registers: up to 4 rows,
+// q4 reads one block of columns at a time (one stream per thread prefetches best: the gate projection at one
+// row 0.40 → 0.32 ms against two blocks), q8 two; more rows go 6 at a time over two blocks (at 256 rows
+// 13.4 → 12.7 ms against 4 × 2). With AVX2's 16 (the -march=haswell build on the same machine): 4 rows over
+// one block throughout (8 rows 0.82 ms, against 1.01 for 2 × 2 and 0.86 for 3 × 1).
+struct TileShape { int rows, blocks; };
+#ifdef __AVX512F__
+constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 2}, A8_MANY{6, 2};
+#else
+constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 1}, A8_MANY{4, 1};
+#endif
+constexpr int A8_FEW_ROWS = 4;  // calls with at most this many rows use the _FEW shapes
+
+// Threads split the blocks of columns; within a tile of blocks, rows go S.rows at a time and the rest in one
+// smaller tile (the same operations for a row either way). `tile` takes the shape as std::integral_constants
+// so that the accumulators stay in registers.
+template <int MT, int NT, typename Tile>
+inline void a8_rest(const Tile& tile, int rest, int64_t m, int64_t b, int nb) {
     using std::integral_constant;
-    switch (nb) {
-        case 4: return tile(integral_constant<int, MT>{}, integral_constant<int, 4>{}, m, n0);
-        case 3: return tile(integral_constant<int, MT>{}, integral_constant<int, 3>{}, m, n0);
-        case 2: return tile(integral_constant<int, MT>{}, integral_constant<int, 2>{}, m, n0);
-        default: return tile(integral_constant<int, MT>{}, integral_constant<int, 1>{}, m, n0);
+    if constexpr (MT > 1) {
+        if (rest == MT - 1) {
+            if (nb == NT) return tile(integral_constant<int, MT - 1>{}, integral_constant<int, NT>{}, m, b);
+            return tile(integral_constant<int, MT - 1>{}, integral_constant<int, 1>{}, m, b);
+        }
+        a8_rest<MT - 1, NT>(tile, rest, m, b, nb);
     }
 }
 
-template <typename Tile>
-void a8_matmul(int64_t M, int64_t N, int nthreads, const Tile& tile) {
-    static_assert(A8_NB == 4 && A8_MT <= 4, "a8_columns and the remainder below cover these sizes");
+template <int MT, int NT, typename Tile>
+void a8_matmul(int64_t M, int64_t N8, int nthreads, const Tile& tile) {
+    using std::integral_constant;
+    static_assert(NT <= 2, "a tile of blocks is NT blocks or, at the end, one");
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += A8_NB) {
-        const int nb = N - n0 < A8_NB ? static_cast<int>(N - n0) : A8_NB;
+    for (int64_t b = 0; b < N8; b += NT) {
+        const int nb = N8 - b < NT ? 1 : NT;
         int64_t m = 0;
-        for (; m + A8_MT <= M; m += A8_MT) a8_columns<A8_MT>(tile, m, n0, nb);
-        switch (M - m) {
-            case 3: a8_columns<3>(tile, m, n0, nb); break;
-            case 2: a8_columns<2>(tile, m, n0, nb); break;
-            case 1: a8_columns<1>(tile, m, n0, nb); break;
-            default: break;
+        for (; m + MT <= M; m += MT) {
+            if (nb == NT) tile(integral_constant<int, MT>{}, integral_constant<int, NT>{}, m, b);
+            else tile(integral_constant<int, MT>{}, integral_constant<int, 1>{}, m, b);
         }
+        if (m < M) a8_rest<MT, NT>(tile, static_cast<int>(M - m), m, b, nb);
     }
+}
+
+template <int GROUP>
+void q8a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t N, const float* bias,
+          float* y, int nthreads) {
+    Act a;
+    quantize(x, M, K, nthreads, a);
+    const A8Out out{y, N, bias};
+    auto tile = [&](auto mt, auto nt, int64_t m, int64_t b) {
+        q8a8_tile<decltype(mt)::value, decltype(nt)::value, GROUP>(q, scale, K, a, m, b, out);
+    };
+    if (M <= A8_FEW_ROWS) a8_matmul<Q8_FEW.rows, Q8_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
+    else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
 }
 #endif
 
@@ -577,35 +609,71 @@ int specviz_has_a8() {
 }
 
 #ifdef SPECVIZ_AVX2
-// 8-bit activations: as specviz_q4_matmul / specviz_q8_matmul (same arguments), x quantized per row and group
-// of 32 inside the call. Only where specviz_has_a8().
+// 8-bit activations: x [M, K] fp32 quantized per row and group of 32 inside the call; q, scale, minv in the
+// interleaved layout of specviz_q4_interleave / specviz_q8_interleave (N8 = N rounded up to 8 blocks of
+// columns), bias [N] or null, y [M, N]. K a multiple of 64 (q4) or 32 (q8); any M. Only where specviz_has_a8().
 void specviz_q4a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
                          const float* minv, int64_t N, const float* bias, float* y, int nthreads) {
     Act a;
-    quantize(x, M, K, true, nthreads, a);
-    const Q4Format f{q, scale, minv, K};
-    a8_matmul(M, N, nthreads, [&](auto mt, auto nt, int64_t m, int64_t n0) {
-        q4a8_tile<decltype(mt)::value, decltype(nt)::value>(f, a, m, n0, N, bias, y);
-    });
+    quantize(x, M, K, nthreads, a);
+    const A8Out out{y, N, bias};
+    auto tile = [&](auto mt, auto nt, int64_t m, int64_t b) {
+        q4a8_tile<decltype(mt)::value, decltype(nt)::value>(q, scale, minv, K, a, m, b, out);
+    };
+    if (M <= A8_FEW_ROWS) a8_matmul<Q4_FEW.rows, Q4_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
+    else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
 }
 
-void specviz_q8a8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t group,
+void specviz_q8a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t group,
                          int64_t N, const float* bias, float* y, int nthreads) {
-    Act a;
-    quantize(x, M, K, false, nthreads, a);
-    if (group == 16) {
-        const Q8Format<16> f{q, scale, K};
-        a8_matmul(M, N, nthreads, [&](auto mt, auto nt, int64_t m, int64_t n0) {
-            q8a8_tile<decltype(mt)::value, decltype(nt)::value, 16>(f, a, m, n0, N, bias, y);
-        });
-    } else {
-        const Q8Format<32> f{q, scale, K};
-        a8_matmul(M, N, nthreads, [&](auto mt, auto nt, int64_t m, int64_t n0) {
-            q8a8_tile<decltype(mt)::value, decltype(nt)::value, 32>(f, a, m, n0, N, bias, y);
-        });
-    }
+    if (group == 16) q8a8<16>(x, M, K, q, scale, N, bias, y, nthreads);
+    else q8a8<32>(x, M, K, q, scale, N, bias, y, nthreads);
 }
 #endif
+
+// The interleaved layouts of the 8-bit-activation kernels, from the row-major ones (the q4 / q8 formats at
+// the top). Columns past N (up to a multiple of 8) get zero weights and scales.
+// q [N, K/2], scale / minv [N, K/32] -> qi [N8, K/8, 8, 4], si / mi [N8, K/32, 8]
+void specviz_q4_interleave(const uint8_t* q, const float* scale, const float* minv, int64_t N, int64_t K,
+                           uint8_t* qi, float* si, float* mi) {
+    const int64_t N8 = (N + 7) / 8, G = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < N8; ++b)
+        for (int l = 0; l < 8; ++l) {
+            const int64_t n = b * 8 + l;
+            for (int64_t j = 0; j < K / 8; ++j)
+                for (int i = 0; i < 4; ++i) {
+                    uint8_t v = 0;
+                    if (n < N) {
+                        const uint8_t* row = q + n * (K / 2);
+                        const int64_t e0 = 8 * j + i, e1 = 8 * j + 4 + i;
+                        v = static_cast<uint8_t>(((row[e0 / 2] >> (4 * (e0 & 1))) & 15) |
+                                                 (((row[e1 / 2] >> (4 * (e1 & 1))) & 15) << 4));
+                    }
+                    qi[((b * (K / 8) + j) * 8 + l) * 4 + i] = v;
+                }
+            for (int64_t g = 0; g < G; ++g) {
+                si[(b * G + g) * 8 + l] = n < N ? scale[n * G + g] : 0.0f;
+                mi[(b * G + g) * 8 + l] = n < N ? minv[n * G + g] : 0.0f;
+            }
+        }
+}
+
+// q [N, K] int8, scale [N, K/group] -> qi [N8, K/4, 8, 4] (w + 128), si [N8, K/group, 8]
+void specviz_q8_interleave(const int8_t* q, const float* scale, int64_t group, int64_t N, int64_t K, uint8_t* qi,
+                           float* si) {
+    const int64_t N8 = (N + 7) / 8, G = K / group;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < N8; ++b)
+        for (int l = 0; l < 8; ++l) {
+            const int64_t n = b * 8 + l;
+            for (int64_t j = 0; j < K / 4; ++j)
+                for (int i = 0; i < 4; ++i)
+                    qi[((b * (K / 4) + j) * 8 + l) * 4 + i] =
+                        static_cast<uint8_t>((n < N ? q[n * K + 4 * j + i] : 0) + 128);
+            for (int64_t g = 0; g < G; ++g) si[(b * G + g) * 8 + l] = n < N ? scale[n * G + g] : 0.0f;
+        }
+}
 
 // The dense fp32 weight out [N, K] in natural order (to check the packing; BLAS never needs it).
 void specviz_q4_dequant(const uint8_t* q, const float* scale, const float* minv, int64_t N, int64_t K, float* out) {

@@ -124,6 +124,26 @@ def test_int8_activation_kernel_equals_its_float64_reference_and_stays_near_fp32
 
 
 @A8
+@pytest.mark.parametrize("kind,group", KERNEL_CASES, ids=["q4", "q8g16", "q8g32"])
+def test_the_interleaved_layout_gives_back_the_row_major_weight_and_its_selected_rows(kind, group):
+    """8-bit activations hold the weight interleaved (eight columns side by side, padded to a multiple of 8);
+    packed() must give the row-major blocks back bit for bit, and a layer of selected rows (the draft's
+    reduced head) must compute exactly those rows' outputs."""
+    packed = random_packed(kind, 37, 448, seed=4, group=group)
+    bias = torch.randn(37)
+    layer = PackedLinear(packed, bias, int8_activations=True)
+    assert layer.q.shape[0] == 5  # 37 columns in 5 blocks of 8
+    back = layer.packed()
+    for name in ("q", "scale", "minv"):
+        want, got = getattr(packed, name), getattr(back, name)
+        assert (want is None and got is None) or torch.equal(want, got), name
+    assert torch.equal(layer.dense(), PackedLinear(packed, bias).dense())
+    ids = torch.tensor([36, 0, 9, 8, 17, 3, 30, 31, 2])
+    x = torch.randn(6, 448)
+    assert torch.equal(layer.select_rows(ids)(x), layer(x)[:, ids])
+
+
+@A8
 def test_int8_activations_let_a_nan_through_and_only_in_its_row():
     layer = PackedLinear(random_packed("q4", 16, 128, seed=5), None, int8_activations=True)
     x = torch.randn(3, 128)
@@ -167,7 +187,8 @@ def test_kernel_rows_are_bitwise_batch_invariant(kind, group, int8_activations):
 @A8
 def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
     """The 8-bit-activation kernels choose their instructions and tile by the machine they are built on
-    (vpdpbusd and 4-row tiles where AVX-512 VNNI is, vpmaddubsw and 2-row tiles on plain AVX2). Their integer
+    (vpdpbusd and 6-row tiles where AVX-512 VNNI is, vpmaddubsw and 2-row tiles on plain AVX2; q8's weights
+    offset by 128 for vpdpbusd, its sign moved to the codes for vpmaddubsw). Their integer
     sums are exact either way and the float operations per output are the same, so the two builds must
     agree bit for bit: a trace's target does not depend on which of these CPUs ran it."""
     import ctypes
@@ -185,15 +206,16 @@ def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
         if kind == "q8":  # the extreme code too: |−128| is the one weight magnitude that needs all 8 bits
             packed.q[0, :5] = -128
         bias = torch.randn(37)
-        for m in (1, 2, 3, 5, 8, 13):
+        for m in (1, 2, 3, 4, 5, 7, 8, 13):
             x = torch.randn(m, 448) * 3
-            ours = PackedLinear(packed, bias, int8_activations=True)(x)
+            layer = PackedLinear(packed, bias, int8_activations=True)  # its weight in the interleaved layout
+            ours = layer(x)
             theirs = torch.empty(m, 37)
             if kind == "q4":
-                lib.specviz_q4a8_matmul(x.data_ptr(), m, 448, packed.q.data_ptr(), packed.scale.data_ptr(),
-                                        packed.minv.data_ptr(), 37, bias.data_ptr(), theirs.data_ptr(), 2)
+                lib.specviz_q4a8_matmul(x.data_ptr(), m, 448, layer.q.data_ptr(), layer.scale.data_ptr(),
+                                        layer.minv.data_ptr(), 37, bias.data_ptr(), theirs.data_ptr(), 2)
             else:
-                lib.specviz_q8a8_matmul(x.data_ptr(), m, 448, packed.q.data_ptr(), packed.scale.data_ptr(), group,
+                lib.specviz_q8a8_matmul(x.data_ptr(), m, 448, layer.q.data_ptr(), layer.scale.data_ptr(), group,
                                         37, bias.data_ptr(), theirs.data_ptr(), 2)
             assert torch.equal(ours, theirs), f"{kind} (group {group}), {m} rows: the builds differ"
 

@@ -53,7 +53,7 @@ def weight_bytes(model) -> int:
     total = 0
     for m in model_linears(model):
         if isinstance(m, PackedLinear):
-            total += m.packed().nbytes
+            total += m.nbytes
         elif isinstance(m, INT8_LINEAR):
             total += m.weight().numel()
         else:

@@ -48,30 +48,93 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def q4_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
-              bias: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
+              bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 contiguous (M <= max_rows(), K a multiple of 64), q [N, K/2] uint8, scale/minv [N, K/32]
-    fp32, bias [N] fp32 or None -> y [M, N]. int8_activations: x quantized per row and group of 32 first."""
+    fp32, bias [N] fp32 or None -> y [M, N]."""
     M, K = x.shape
     N = q.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)
-    lib = library()
-    kernel = lib.specviz_q4a8_matmul if int8_activations else lib.specviz_q4_matmul
-    kernel(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), minv.data_ptr(), N, _ptr(bias), y.data_ptr(),
-           torch.get_num_threads())
+    library().specviz_q4_matmul(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), minv.data_ptr(), N, _ptr(bias),
+                                y.data_ptr(), torch.get_num_threads())
     return y
 
 
-def q8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-              int8_activations: bool = False) -> torch.Tensor:
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 contiguous (M <= max_rows(), K a multiple of 32), q [N, K] int8, scale [N, K/G] fp32
-    (G = 16 or 32), bias [N] fp32 or None -> y [M, N]. int8_activations: as in q4_matmul."""
+    (G = 16 or 32), bias [N] fp32 or None -> y [M, N]."""
     M, K = x.shape
     N = q.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)
-    lib = library()
-    kernel = lib.specviz_q8a8_matmul if int8_activations else lib.specviz_q8_matmul
-    kernel(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), K // scale.shape[1], N, _ptr(bias), y.data_ptr(),
-           torch.get_num_threads())
+    library().specviz_q8_matmul(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), K // scale.shape[1], N,
+                                _ptr(bias), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+# The 8-bit-activation kernels read their weights interleaved: eight output columns side by side
+# (kernels/qmatmul_cpu.cpp has the byte layout). N8 = N rounded up to a multiple of 8 over 8.
+
+def q4_interleave(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K/2] uint8, scale/minv [N, K/32] -> qi [N8, 4K] uint8, si/mi [N8, K/32, 8] (zero past N)."""
+    N, K = q.shape[0], q.shape[1] * 2
+    N8, G = -(-N // 8), K // 32
+    qi = torch.empty((N8, 4 * K), dtype=torch.uint8)
+    si, mi = torch.empty((N8, G, 8)), torch.empty((N8, G, 8))
+    library().specviz_q4_interleave(q.contiguous().data_ptr(), scale.contiguous().data_ptr(),
+                                    minv.contiguous().data_ptr(), N, K, qi.data_ptr(), si.data_ptr(), mi.data_ptr())
+    return qi, si, mi
+
+
+def q8_interleave(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, scale [N, K/G] -> qi [N8, 8K] uint8 (w + 128), si [N8, K/G, 8] (zero past N)."""
+    N, K = q.shape
+    N8, G = -(-N // 8), scale.shape[1]
+    qi = torch.empty((N8, 8 * K), dtype=torch.uint8)
+    si = torch.empty((N8, G, 8))
+    library().specviz_q8_interleave(q.contiguous().data_ptr(), scale.contiguous().data_ptr(), K // G, N, K,
+                                    qi.data_ptr(), si.data_ptr())
+    return qi, si
+
+
+def _columns(interleaved: torch.Tensor, n: int) -> torch.Tensor:  # [N8, G, 8] -> [n, G]
+    return interleaved.transpose(1, 2).reshape(-1, interleaved.shape[1])[:n].contiguous()
+
+
+def q4_deinterleave(qi: torch.Tensor, si: torch.Tensor, mi: torch.Tensor, n: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of q4_interleave for the first n columns: q [n, K/2], scale/minv [n, K/32]."""
+    N8, K = qi.shape[0], qi.shape[1] // 4
+    halves = torch.stack([qi & 15, qi >> 4], -1).reshape(N8, K // 8, 8, 4, 2)  # [block, chunk, column, i, half]
+    elements = halves.permute(0, 2, 1, 4, 3).reshape(N8 * 8, K)[:n]  # element 8·chunk + 4·half + i
+    q = elements[:, 0::2] | (elements[:, 1::2] << 4)
+    return q.contiguous(), _columns(si, n), _columns(mi, n)
+
+
+def q8_deinterleave(qi: torch.Tensor, si: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of q8_interleave for the first n columns: q [n, K] int8, scale [n, K/G]."""
+    N8, K = qi.shape[0], qi.shape[1] // 8
+    stored = qi.reshape(N8, K // 4, 8, 4).permute(0, 2, 1, 3).reshape(N8 * 8, K)[:n]
+    return (stored.to(torch.int16) - 128).to(torch.int8).contiguous(), _columns(si, n)
+
+
+def q4a8_matmul(x: torch.Tensor, qi: torch.Tensor, si: torch.Tensor, mi: torch.Tensor, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 contiguous (any M, K a multiple of 64), quantized per row and group of 32 inside;
+    q4_interleave's qi, si, mi; n output columns; bias [n] or None -> y [M, n]."""
+    M, K = x.shape
+    y = torch.empty((M, n), dtype=torch.float32)
+    library().specviz_q4a8_matmul(x.data_ptr(), M, K, qi.data_ptr(), si.data_ptr(), mi.data_ptr(), n, _ptr(bias),
+                                  y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def q8a8_matmul(x: torch.Tensor, qi: torch.Tensor, si: torch.Tensor, n: int, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+    """As q4a8_matmul for q8_interleave's qi, si (K a multiple of 32)."""
+    M, K = x.shape
+    y = torch.empty((M, n), dtype=torch.float32)
+    library().specviz_q8a8_matmul(x.data_ptr(), M, K, qi.data_ptr(), si.data_ptr(), K // si.shape[1], n, _ptr(bias),
+                                  y.data_ptr(), torch.get_num_threads())
     return y
 
 

@@ -46,30 +46,55 @@ _LAYER_NAMES = {
 
 class PackedLinear(nn.Module):
     """y = x · Wᵀ + b with W packed; a drop-in nn.Linear for fp32 inputs on the CPU, which the kernel
-    multiplies as they are or, with int8_activations, quantized per row and group of 32."""
+    multiplies as they are or, with int8_activations, quantized per row and group of 32. With 8-bit activations
+    the weight is held in the kernels' interleaved layout (eight columns side by side, cpu_kernels.q4_interleave):
+    q [N8, ...], scale / minv [N8, K/group, 8]; otherwise in the row-major one: q [N, ...], scale / minv
+    [N, K/group]. `packed()` gives the row-major form either way."""
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None, int8_activations: bool = False):
         super().__init__()
         self.kind, self.source, self.int8_activations = packed.kind, packed.source, int8_activations
         self.out_features, self.in_features = packed.shape
-        self.register_buffer("q", packed.q, persistent=False)
-        self.register_buffer("scale", packed.scale, persistent=False)
-        self.register_buffer("minv", packed.minv, persistent=False)
+        q, scale, minv = packed.q, packed.scale, packed.minv
+        if int8_activations and self.kind == "q4":
+            q, scale, minv = cpu_kernels.q4_interleave(q, scale, minv)
+        elif int8_activations:
+            q, scale = cpu_kernels.q8_interleave(q, scale)
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("minv", minv, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
     def packed(self) -> Packed:
-        return Packed(self.kind, self.q, self.scale, self.minv, self.source)
+        """The weight in the row-major format (gguf_pack.Packed)."""
+        q, scale, minv, n = self.q, self.scale, self.minv, self.out_features
+        if self.int8_activations and self.kind == "q4":
+            q, scale, minv = cpu_kernels.q4_deinterleave(q, scale, minv, n)
+        elif self.int8_activations:
+            q, scale = cpu_kernels.q8_deinterleave(q, scale, n)
+        return Packed(self.kind, q, scale, minv, self.source)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a call reads of the weight (its layout's own, padding included)."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv) if t is not None)
 
     def dense(self) -> torch.Tensor:
         """The fp32 weight [N, K]."""
+        p = self.packed()
         if self.kind == "q4":
-            return cpu_kernels.q4_dequant(self.q, self.scale, self.minv)
-        return cpu_kernels.q8_dequant(self.q, self.scale)
+            return cpu_kernels.q4_dequant(p.q, p.scale, p.minv)
+        return cpu_kernels.q8_dequant(p.q, p.scale)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:  # rows [M, K] fp32 contiguous -> [M, N]
+        n = self.out_features
+        if self.int8_activations and self.kind == "q4":
+            return cpu_kernels.q4a8_matmul(rows, self.q, self.scale, self.minv, n, self.bias)
+        if self.int8_activations:
+            return cpu_kernels.q8a8_matmul(rows, self.q, self.scale, n, self.bias)
         if self.kind == "q4":
-            return cpu_kernels.q4_matmul(rows, self.q, self.scale, self.minv, self.bias, self.int8_activations)
-        return cpu_kernels.q8_matmul(rows, self.q, self.scale, self.bias, self.int8_activations)
+            return cpu_kernels.q4_matmul(rows, self.q, self.scale, self.minv, self.bias)
+        return cpu_kernels.q8_matmul(rows, self.q, self.scale, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
@@ -82,6 +107,18 @@ class PackedLinear(nn.Module):
 
     BUFFERS = ("q", "scale", "minv", "bias")
 
+    @classmethod
+    def holding(cls, like: "PackedLinear", tensors: dict[str, torch.Tensor | None], out_features: int,
+                source: str) -> "PackedLinear":
+        """A layer of `like`'s kind and activations on `tensors` (BUFFERS), already in its layout."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.kind, layer.source, layer.int8_activations = like.kind, source, like.int8_activations
+        layer.out_features, layer.in_features = out_features, like.in_features
+        for name in cls.BUFFERS:
+            layer.register_buffer(name, tensors[name], persistent=False)
+        return layer
+
     def relocate(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Move the weight's tensors to where `place` puts them (models/arena.py)."""
         for name in self.BUFFERS:
@@ -90,8 +127,9 @@ class PackedLinear(nn.Module):
 
     def select_rows(self, ids: torch.Tensor) -> "PackedLinear":
         """A PackedLinear computing only outputs `ids` (LongTensor [K]); the rows keep their own scales."""
-        sub = Packed(self.kind, self.q.index_select(0, ids), self.scale.index_select(0, ids),
-                     None if self.minv is None else self.minv.index_select(0, ids), self.source)
+        p = self.packed()
+        sub = Packed(self.kind, p.q.index_select(0, ids), p.scale.index_select(0, ids),
+                     None if p.minv is None else p.minv.index_select(0, ids), self.source)
         return PackedLinear(sub, None if self.bias is None else self.bias.index_select(0, ids), self.int8_activations)
 
     def extra_repr(self) -> str:
@@ -103,14 +141,16 @@ class PackedLinear(nn.Module):
 def fuse(layers: list[PackedLinear], place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
          ) -> PackedLinear | None:
     """One PackedLinear computing the outputs of `layers` side by side (their rows concatenated), or None
-    when they differ in format (kind, scale groups, activations, bias or not). The kernels compute every
-    output column alone, so the fused layer's outputs are the same bits as each layer's own. The layers
-    then hold views of the fused tensors: they keep working, and the weights are stored once. `place` puts
-    each fused tensor where it should live (models/arena.py)."""
+    when they differ in format (kind, scale groups, activations, bias or not), or, interleaved, when a layer's
+    outputs are no whole number of 8-column blocks. The kernels compute every output column alone, so the
+    fused layer's outputs are the same bits as each layer's own. The layers then hold views of the fused
+    tensors: they keep working, and the weights are stored once. `place` puts each fused tensor where it
+    should live (models/arena.py)."""
     first = layers[0]
     same = all(m.kind == first.kind and m.in_features == first.in_features
                and m.int8_activations == first.int8_activations and m.scale.shape[1] == first.scale.shape[1]
                and (m.bias is None) == (first.bias is None) and (m.minv is None) == (first.minv is None)
+               and (not m.int8_activations or m.out_features % 8 == 0)
                for m in layers)
     if not same:
         return None
@@ -118,15 +158,14 @@ def fuse(layers: list[PackedLinear], place: Callable[[torch.Tensor], torch.Tenso
     def cat(name: str) -> torch.Tensor | None:
         return None if getattr(first, name) is None else place(torch.cat([getattr(m, name) for m in layers]))
 
-    source = "+".join(sorted({m.source for m in layers}))
-    fused = PackedLinear(Packed(first.kind, cat("q"), cat("scale"), cat("minv"), source), cat("bias"),
-                         first.int8_activations)
+    fused = PackedLinear.holding(first, {name: cat(name) for name in PackedLinear.BUFFERS},
+                                 sum(m.out_features for m in layers), "+".join(sorted({m.source for m in layers})))
     start = 0
     for m in layers:
-        rows = slice(start, start + m.out_features)
         for name in PackedLinear.BUFFERS:
             if getattr(fused, name) is not None:
-                setattr(m, name, getattr(fused, name)[rows])
+                per_row = 1 if name == "bias" or not m.int8_activations else 8  # interleaved tensors: blocks of 8
+                setattr(m, name, getattr(fused, name)[start // per_row:(start + m.out_features) // per_row])
         start += m.out_features
     return fused
 

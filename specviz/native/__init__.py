@@ -127,6 +127,9 @@ def _load() -> ctypes.CDLL:
         lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
         lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
         functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul]
+    lib.specviz_q4_interleave.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.specviz_q8_interleave.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
+    functions += [lib.specviz_q4_interleave, lib.specviz_q8_interleave]
     f32 = ctypes.c_float
     lib.specviz_row_lse.argtypes = [ptr, i64, i64, i64, i64, i64, f32, ptr, cint]
     lib.specviz_residual_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,

@@ -75,6 +75,58 @@ def test_a_streamed_run_draws_text_often_and_plots_on_a_budget(tiny_pair, prompt
     assert all(b - a >= page.PLOT_WAIT * DRAWING_S for a, b in zip(plotted, plotted[1:]))
 
 
+HOLD_S = 0.15
+
+
+def test_decoding_waits_while_the_page_holds_a_frame_and_its_clock_stands_still(tiny_pair, prompt_ids, monkeypatch):
+    """The worker hands over one record at a time and waits until the page is done with it: no record is
+    produced while the page holds a frame (drawing never shares the cores with decoding), and the time the
+    page holds frames is not in the run's decoding time."""
+    produced = []  # when the engine produced each record
+
+    def timed_records(*args, **kwargs):
+        for event in page_records(*args, **kwargs):
+            produced.append(time.perf_counter())
+            yield event
+
+    page_records = page.records
+    monkeypatch.setattr(page, "records", timed_records)
+    source = prompts_source(tiny_pair, [prompt_ids])
+    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=60, gamma_policy="constant", gamma_init=2)
+    held = []
+    for frame in page._streamed(source, cfg, {}, sessions.StopFlag()):
+        if not frame.done:
+            start = time.perf_counter()
+            time.sleep(HOLD_S)  # as drawing would take
+            held.append((start, time.perf_counter()))
+    trace = frame.trace
+    assert len(held) >= 3 and len(trace.steps) > 0
+    assert not [t for t in produced for a, b in held if a < t < b], "the engine produced a record while the page drew"
+    holding = sum(b - a for a, b in held)
+    assert trace.total_s < holding, "the page's time with the frames was counted as the run's"
+    plain = run(source, cfg)
+    assert trace.decode_s < 3 * plain.decode_s + 0.1  # decoding time is decoding's, held frames or not
+
+
+def test_end_to_end_against_a_cached_reference_counts_the_runs_own_reading_of_the_input(tiny_pair, prompt_ids):
+    """Target-only measured after the run finds the input in the prompt cache; its end to end counts the
+    run's prefill without the draft's reading (the same target reading the same input), not its own ~0 s."""
+    models, references = _Models(tiny_pair), page.References()
+    settings = Settings(max_new_tokens=8, target="tiny")
+    article = "w1 w2 w3 w4 w5 w6 w7 w8"
+    source = page._source(models, TEXT, article, settings, settings.spec(TEXT), lambda m, f: None)
+    spec = run(source, settings.spec(TEXT))
+    by_model = spec.meta["prefill_s_by_model"]
+    assert set(by_model) == {"target", "draft"} and sum(by_model.values()) <= spec.prefill_s + 1e-9
+    ref = page.measure_reference(models, references, TEXT, article, settings, lambda m, f: None,
+                                 sessions.StopFlag(), run=spec)
+    assert ref["prefill_timed_in_the_run"] and ref["prefill_s"] == pytest.approx(spec.prefill_s - by_model["draft"])
+    decode_s = ref["new_tokens"] / ref["decode_tokens_per_s"]
+    assert ref["tokens_per_s"] == pytest.approx(ref["new_tokens"] / (ref["prefill_s"] + decode_s))
+    spec.meta["target_only"] = ref
+    assert "target-only's counted as this run's without the draft's" in report.summary_markdown(spec)
+
+
 def test_a_closed_stream_stops_its_worker(tiny_pair, prompt_ids):
     """Gradio dropping the generator (a closed tab) must not leave the decoding thread running."""
     source = prompts_source(tiny_pair, [prompt_ids])

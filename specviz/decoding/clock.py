@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -14,7 +15,8 @@ class Stopwatch:
     """Run-time seconds; synchronizes CUDA first so that queued kernels are counted where they run.
 
     `paused()` stops the clock for work that only serves the display (recording the why-panel's
-    distributions), so every time the trace reports is the time decoding itself took.
+    distributions) and `stopped()` while a consumer holds a yielded record (drawing it, say), so every time
+    the trace reports is the time decoding itself took.
     """
 
     def __init__(self, device: torch.device):
@@ -36,3 +38,12 @@ class Stopwatch:
         seconds = self._wall() - t0
         self.excluded += seconds
         return result, seconds
+
+    @contextmanager
+    def stopped(self) -> Iterator[None]:
+        """The clock stands still inside the block (a generator's yield: the consumer's time with a record)."""
+        t0 = self._wall()
+        try:
+            yield
+        finally:
+            self.excluded += self._wall() - t0

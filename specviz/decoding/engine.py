@@ -105,11 +105,23 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
                    policy=make_policy(cfg.gamma_policy, cfg.gamma_init, costs, cfg.gamma_schedule,
                                       cfg.drafter_schedule), costs=costs,
                    start=clock.now())
+    events = _groups(source, run, target_only, batch_size)
+    try:
+        for event in events:
+            with clock.stopped():  # what the consumer does with a record (the page draws it) is not decoding
+                yield event
+    finally:
+        events.close()
+
+
+def _groups(source: Source, run: RunState, target_only: bool, batch_size: int) -> Iterator[Event]:
+    """Prefill and decode each group of sequences in turn."""
+    cfg, clock, costs = run.cfg, run.clock, run.costs
     for group in _chunks(len(source.sequences), batch_size):
         t0 = clock.now()
-        batch = yield from _prefill(source, group, cfg,
-                                    with_draft=not target_only and uses_draft_model(cfg.draft_kind))
-        yield Prefilled(group, clock.now() - t0, sum(d.prompts_reused for d in batch.decoders))
+        batch, by_model = yield from _prefill(source, group, cfg, clock,
+                                              with_draft=not target_only and uses_draft_model(cfg.draft_kind))
+        yield Prefilled(group, clock.now() - t0, sum(d.prompts_reused for d in batch.decoders), by_model)
         if target_only:
             yield from _target_only(run, batch)
             continue
@@ -121,17 +133,20 @@ def generate(source: Source, cfg: SpecConfig, *, target_only: bool = False, batc
     yield Completed(run.elapsed(), None if target_only else costs.to_dict())
 
 
-def _prefill(source: Source, group: list[int], cfg: SpecConfig, *, with_draft: bool
-             ) -> Generator[Prefilling, None, Batch]:
-    """The group's decoders, each holding every prompt token but the last, which the first step feeds;
-    how far each has read, as it goes."""
+def _prefill(source: Source, group: list[int], cfg: SpecConfig, clock: Stopwatch, *, with_draft: bool
+             ) -> Generator[Prefilling, None, tuple[Batch, tuple[tuple[str, float], ...]]]:
+    """The group's decoders, each holding every prompt token but the last, which the first step feeds, and
+    the seconds each model spent reading; how far each has read, as it goes."""
     draft, target = source.decoders(group, with_draft=with_draft)
     live = [LiveSequence(s, list(source.sequences[s].prompt_ids), cfg.max_new_tokens) for s in group]
+    seconds = []
     for name, decoder in (("target", target), ("draft", draft)):
         if decoder is not None:
+            t0 = clock.now()
             for read, total in decoder.prefill_steps([s.tokens[:-1] for s in live]):
                 yield Prefilling(group, name, read, total)
-    return Batch(live, target, draft)
+            seconds.append((name, clock.now() - t0))
+    return Batch(live, target, draft), tuple(seconds)
 
 
 # What identifies a cost curve besides the machine: the models, their weights and where they run.

@@ -139,6 +139,7 @@ class Prefilled:
     sequences: list[int]
     seconds: float
     reused: int = 0  # prompts whose keys and values came from the prompt cache (specviz.models.prompt_cache)
+    by_model: tuple[tuple[str, float], ...] = ()  # ("target", s), ("draft", s): each model's reading of the prompts
 
 
 @dataclass(frozen=True)

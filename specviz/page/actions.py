@@ -66,23 +66,28 @@ class Frame(NamedTuple):
     reading: Prefilling | None = None  # during the prefill: how far a model has read the input
 
 
-# The page draws on the cores that decode, so a redraw slows decoding while it lasts, and the speculative run's
-# measured speed would carry it while the target-only reference's does not. After a frame with plots that took
-# t seconds (~0.17 s) the next plots wait PLOT_WAIT t; after a text frame the next waits TEXT_WAIT t; text
-# frames are at least MIN_TEXT_GAP_S apart: about 5% of a run goes into drawing.
-PLOT_WAIT, TEXT_WAIT, MIN_TEXT_GAP_S = 19, 19, 0.4
+# Decoding pauses while the page draws: the worker holds the engine at its last record until the page is done
+# with it (below), so a redraw never shares the cores with decoding (on two cores it had slowed the speculative
+# run's decoding by ~20% and not the reference's, which draws less), and the engine's clock stands still
+# meanwhile (decoding.clock). What drawing adds is wall time: after a frame with plots that took t seconds
+# (~0.17 s) the next plots wait PLOT_WAIT t; after a text frame the next waits TEXT_WAIT t; text frames are at
+# least MIN_TEXT_GAP_S apart: about 5% of a run goes into drawing. A page that holds a record longer than
+# HANDOFF_S (a stalled stream) no longer holds decoding back.
+PLOT_WAIT, TEXT_WAIT, MIN_TEXT_GAP_S, HANDOFF_S = 19, 19, 0.4, 5.0
 
 
 def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag,
               target_only: bool = False) -> Iterator[Frame]:
     """Decode in a worker thread; yield frames as iterations arrive.
 
-    The worker only produces immutable records and puts them on a queue; this generator, in the page's
-    thread, owns the TraceBuilder, so the trace it yields is never touched by another thread. When `stop` is
-    set (or this generator is closed) the worker ends after the iteration it is in and releases the models'
-    caches; the trace then ends there, marked stopped.
+    The worker only produces immutable records and puts them on a queue, one at a time: it waits until this
+    generator, in the page's thread, is done with each (drawn it or not), so the two never run at once. The
+    generator owns the TraceBuilder, so the trace it yields is never touched by another thread. When `stop`
+    is set (or this generator is closed) the worker ends after the iteration it is in and releases the
+    models' caches; the trace then ends there, marked stopped.
     """
     updates: queue.Queue = queue.Queue()
+    handled = threading.Event()  # set by this generator when it is done with the record the worker handed over
     builder = builder_for(source, cfg, target_only=target_only, meta=meta)
 
     def work() -> None:
@@ -95,7 +100,9 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
                           flush=True)
                     break
                 iterations += isinstance(event, Iteration)
+                handled.clear()
                 updates.put(event)
+                handled.wait(HANDOFF_S)  # the engine stays at this record (its clock stopped) while the page draws
         except BaseException as e:  # re-raised in the page's thread, where the page reports it
             updates.put(_Failure(e))
         finally:
@@ -110,12 +117,10 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
             if isinstance(item, _Failure):
                 raise item.error
             builder.add(item)
+            now = time.perf_counter()
             if isinstance(item, Prefilling):  # a few per input, each after seconds of reading
                 yield Frame(builder.trace, False, False, item)
-                continue
-            # Drawn when no newer iteration waits and the drawing's share of the time stays small.
-            now = time.perf_counter()
-            if isinstance(item, Iteration) and updates.empty() and now >= next_text:
+            elif isinstance(item, Iteration) and now >= next_text:
                 plots = now >= next_plots
                 yield Frame(builder.trace, False, plots)
                 end = time.perf_counter()
@@ -123,6 +128,7 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
                     next_plots, next_text = end + PLOT_WAIT * (end - now), end + MIN_TEXT_GAP_S
                 else:
                     next_text = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))
+            handled.set()
         ended = True
         if stop.is_set():
             builder.trace.meta["stopped"] = True
@@ -130,6 +136,7 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
     finally:
         if not ended:  # closed early (an error, or Gradio dropped the stream): the worker must not go on
             stop.stop("the page stopped reading the run")
+        handled.set()  # a worker waiting on its last record wakes, sees the stop (or the end) and leaves
 
 
 def _article_source(models: ModelCache, article: str | None, settings: Settings, cfg: SpecConfig,
@@ -214,12 +221,15 @@ class References:
 
 
 def measure_reference(models: ModelCache, references: References, task: str, source_input: str | None,
-                      settings: Settings, progress: Progress, stop: StopFlag) -> dict[str, Any] | None:
-    """Target-only on the same input and settings (or an identical earlier one's): what the trace keeps
-    about it as meta["target_only"]. None when stopped."""
+                      settings: Settings, progress: Progress, stop: StopFlag, run: Trace | None = None
+                      ) -> dict[str, Any] | None:
+    """Target-only on the same input and settings (or an identical earlier one's): what `run` keeps about
+    it as meta["target_only"], its end to end counting the run's own prefill without the draft's reading
+    (report.reference_meta). None when stopped."""
+    prefill_s = None if run is None else report.prefill_without_draft(run)
     key = References.key(task, source_input, settings)
     if (known := references.get(key)) is not None:
-        return report.reference_meta(known[0], reused=True, measured_at=known[1])
+        return report.reference_meta(known[0], reused=True, measured_at=known[1], prefill_s=prefill_s)
     cfg = settings.spec(task)
     source = _source(models, task, source_input, settings, cfg, progress)
     trace = None
@@ -228,7 +238,7 @@ def measure_reference(models: ModelCache, references: References, task: str, sou
             progress(f"target-only reference: {trace.new_tokens} tokens", None)
     if trace is None or trace.stopped:
         return None
-    return report.reference_meta(trace, reused=False, measured_at=references.put(key, trace))
+    return report.reference_meta(trace, reused=False, measured_at=references.put(key, trace), prefill_s=prefill_s)
 
 
 def compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,

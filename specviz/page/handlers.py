@@ -168,7 +168,7 @@ def run(server: Server, values: Values, caller: Caller, gamma_schedule: Schedule
             return
         yield {"status": stamp("Done. Measuring target-only on the same input and settings for the speedup…")}
         reference = page.measure_reference(server.models, server.references, task, source_input, settings, progress,
-                                           stop)
+                                           stop, run=trace)
         if reference is None:
             yield {"status": stamp("Done (the target-only reference was stopped: speedup not measured).")}
             return

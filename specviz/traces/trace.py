@@ -380,6 +380,9 @@ class TraceBuilder:
             trace.prefill_passes += 1
             if event.reused:
                 trace.meta["prompts_reused"] = trace.meta.get("prompts_reused", 0) + event.reused
+            read = trace.meta.setdefault("prefill_s_by_model", {})  # what each model's reading of the input took
+            for model, seconds in event.by_model:
+                read[model] = read.get(model, 0.0) + seconds
         elif isinstance(event, Iteration):
             trace.steps.append(event.step)
             trace.total_s = event.step.end_s

@@ -459,18 +459,20 @@ void q8a8_tile(const uint8_t* q, const float* scale, int64_t K, const Act& a, in
         for (int n = 0; n < NT; ++n) out.store(m0 + m, b0 + n, acc[m][n]);
 }
 
-// Tile shapes, measured on the 2-core Zen 4 (docs/benchmarks.md). With AVX-512's 32 registers: up to 4 rows,
-// q4 reads one block of columns at a time (one stream per thread prefetches best: the gate projection at one
-// row 0.40 → 0.32 ms against two blocks), q8 two; more rows go 6 at a time over two blocks (at 256 rows
-// 13.4 → 12.7 ms against 4 × 2). With AVX2's 16 (the -march=haswell build on the same machine): 4 rows over
-// one block throughout (8 rows 0.82 ms, against 1.01 for 2 × 2 and 0.86 for 3 × 1).
+// Tile shapes by the call's rows, measured on the 2-core Zen 4 (docs/benchmarks.md). With AVX-512's 32
+// registers: up to 4 rows, q4 reads one block of columns at a time (one stream per thread prefetches best:
+// the gate projection at one row 0.40 → 0.32 ms against two blocks), q8 two; q4 takes 5 to 8 rows in one
+// tile over one block (8 rows 0.65 → 0.59 ms against 6 × 2; the down projection in q8 loses 6% so), and more
+// rows go 6 at a time over two blocks (at 256 rows 13.4 → 12.7 ms against 4 × 2). With AVX2's 16 (the
+// -march=haswell build on the same machine): 4 rows over one block throughout (8 rows 0.82 ms, against 1.01
+// for 2 × 2 and 0.86 for 3 × 1).
 struct TileShape { int rows, blocks; };
+constexpr int A8_FEW_ROWS = 4, A8_MID_ROWS = 8;  // calls with at most this many rows use the _FEW / _MID shapes
 #ifdef __AVX512F__
-constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 2}, A8_MANY{6, 2};
+constexpr TileShape Q4_FEW{4, 1}, Q4_MID{8, 1}, Q8_FEW{4, 2}, A8_MANY{6, 2};
 #else
-constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 1}, A8_MANY{4, 1};
+constexpr TileShape Q4_FEW{4, 1}, Q4_MID{4, 1}, Q8_FEW{4, 1}, A8_MANY{4, 1};
 #endif
-constexpr int A8_FEW_ROWS = 4;  // calls with at most this many rows use the _FEW shapes
 
 // Threads split the blocks of columns; within a tile of blocks, rows go S.rows at a time and the rest in one
 // smaller tile (the same operations for a row either way). `tile` takes the shape as std::integral_constants
@@ -621,6 +623,7 @@ void specviz_q4a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q,
         q4a8_tile<decltype(mt)::value, decltype(nt)::value>(q, scale, minv, K, a, m, b, out);
     };
     if (M <= A8_FEW_ROWS) a8_matmul<Q4_FEW.rows, Q4_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
+    else if (M <= A8_MID_ROWS) a8_matmul<Q4_MID.rows, Q4_MID.blocks>(M, (N + 7) / 8, nthreads, tile);
     else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
 }
 

@@ -272,7 +272,7 @@ void run(const float* xp, int64_t M, int64_t K, int64_t N, const float* bias, fl
 // (convert, scale, accumulate) is paid once per group of 32 for eight columns instead of once per 4 weights
 // and column: measured on the 2-core Zen 4, the q4 gate projection (8960 × 1536) at 256 rows 27 → 13 ms, at 8
 // rows 0.94 → 0.62 ms, at one row 0.49 → 0.32 ms (the column-major stream prefetches better); docs/benchmarks.md.
-//   q4: [N8, K/8, 8, 4] bytes (N8 = N rounded up to 8 columns): in chunk j, byte i of column l holds element
+//   q4: [N8, K/8, 8, 4] bytes (N8 = ceil(N / 8) blocks of 8 columns): in chunk j, byte i of column l holds element
 //       8j + i in its low nibble and 8j + 4 + i in its high one; scale and minv [N8, K/32, 8].
 //   q8: [N8, K/4, 8, 4] bytes, w + 128 (unsigned, for vpdpbusd: Σ(w + 128)·c = Σ w·c + 128 Σ c, and the
 //       codes' integer sums per 16 are kept to take that back off); scale [N8, K/group, 8].
@@ -330,7 +330,7 @@ inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbus
 #define SPECVIZ_VNNI 1
 inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
-// q4: |15 · 127| · 2 per pair, inside int16
+// a pair of products inside int16: q4 |15 · 127| · 2, q8 (sign moved to the codes) |128 · 127| · 2 = 32,512
 inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
@@ -612,7 +612,7 @@ int specviz_has_a8() {
 
 #ifdef SPECVIZ_AVX2
 // 8-bit activations: x [M, K] fp32 quantized per row and group of 32 inside the call; q, scale, minv in the
-// interleaved layout of specviz_q4_interleave / specviz_q8_interleave (N8 = N rounded up to 8 blocks of
+// interleaved layout of specviz_q4_interleave / specviz_q8_interleave (N8 = ceil(N / 8) blocks of 8
 // columns), bias [N] or null, y [M, N]. K a multiple of 64 (q4) or 32 (q8); any M. Only where specviz_has_a8().
 void specviz_q4a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
                          const float* minv, int64_t N, const float* bias, float* y, int nthreads) {

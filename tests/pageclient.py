@@ -44,14 +44,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def app_server(work: Path) -> Iterator[AppServer]:
+def app_server(work: Path, env: dict[str, str] | None = None) -> Iterator[AppServer]:
     """app.py running in `work`, its temp dir the test's own (big exports and uploads stay out of the shared
-    /tmp, and what it leaves there can be counted); the export folder starts as a long-running server's does."""
+    /tmp, and what it leaves there can be counted); the export folder starts as a long-running server's does;
+    `env`: more environment for the server."""
     log = work / "app.log"
     port = _free_port()
     temp = work / "tmp"
     _steady_export_folder(temp)
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "TMPDIR": str(temp)}
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "TMPDIR": str(temp), **(env or {})}
     env.pop("GRADIO_TEMP_DIR", None)  # Gradio's cache goes under TMPDIR too
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port)], cwd=work, stdout=out,

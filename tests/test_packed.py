@@ -182,12 +182,15 @@ def test_kernel_rows_are_bitwise_batch_invariant(kind, group, int8_activations):
         together = layer(x[:m])
         for r in range(0, m, 23):
             assert torch.equal(together[r], alone[r // 23]), f"row {r} differs when scored among {m} rows"
+    first = torch.cat([layer(x[r:r + 1]) for r in range(13)])  # every row of every tile shape and remainder
+    for m in range(2, 14):
+        assert torch.equal(layer(x[:m]), first[:m]), f"a row differs when scored among {m} rows"
 
 
 @A8
 def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
     """The 8-bit-activation kernels choose their instructions and tile by the machine they are built on
-    (vpdpbusd and 6-row tiles where AVX-512 VNNI is, vpmaddubsw and 2-row tiles on plain AVX2; q8's weights
+    (vpdpbusd and 4-, 8- or 6-row tiles where AVX-512 VNNI is, vpmaddubsw and 4-row tiles on plain AVX2; q8's weights
     offset by 128 for vpdpbusd, its sign moved to the codes for vpmaddubsw). Their integer
     sums are exact either way and the float operations per output are the same, so the two builds must
     agree bit for bit: a trace's target does not depend on which of these CPUs ran it."""

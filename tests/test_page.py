@@ -94,18 +94,19 @@ def test_decoding_waits_while_the_page_holds_a_frame_and_its_clock_stands_still(
     source = prompts_source(tiny_pair, [prompt_ids])
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=60, gamma_policy="constant", gamma_init=2)
     held = []
+    started = time.perf_counter()
     for frame in page._streamed(source, cfg, {}, sessions.StopFlag()):
         if not frame.done:
             start = time.perf_counter()
             time.sleep(HOLD_S)  # as drawing would take
             held.append((start, time.perf_counter()))
+    wall = time.perf_counter() - started
     trace = frame.trace
     assert len(held) >= 3 and len(trace.steps) > 0
     assert not [t for t in produced for a, b in held if a < t < b], "the engine produced a record while the page drew"
     holding = sum(b - a for a, b in held)
-    assert trace.total_s < holding, "the page's time with the frames was counted as the run's"
-    plain = run(source, cfg)
-    assert trace.decode_s < 3 * plain.decode_s + 0.1  # decoding time is decoding's, held frames or not
+    # the run's clock left out the held time: what it counts and what the page held add up to at most the wall
+    assert trace.total_s + 0.95 * holding < wall, "the page's time with the frames was counted as the run's"
 
 
 def test_end_to_end_against_a_cached_reference_counts_the_runs_own_reading_of_the_input(tiny_pair, prompt_ids):

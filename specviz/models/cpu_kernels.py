@@ -71,7 +71,7 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
 
 
 # The 8-bit-activation kernels read their weights interleaved: eight output columns side by side
-# (kernels/qmatmul_cpu.cpp has the byte layout). N8 = N rounded up to a multiple of 8 over 8.
+# (kernels/qmatmul_cpu.cpp has the byte layout). N8 = ceil(N / 8), the number of 8-column blocks.
 
 def q4_interleave(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,8 +80,9 @@ def q4_interleave(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor
     N8, G = -(-N // 8), K // 32
     qi = torch.empty((N8, 4 * K), dtype=torch.uint8)
     si, mi = torch.empty((N8, G, 8)), torch.empty((N8, G, 8))
-    library().specviz_q4_interleave(q.contiguous().data_ptr(), scale.contiguous().data_ptr(),
-                                    minv.contiguous().data_ptr(), N, K, qi.data_ptr(), si.data_ptr(), mi.data_ptr())
+    q, scale, minv = q.contiguous(), scale.contiguous(), minv.contiguous()  # held until the call returns
+    library().specviz_q4_interleave(q.data_ptr(), scale.data_ptr(), minv.data_ptr(), N, K, qi.data_ptr(),
+                                    si.data_ptr(), mi.data_ptr())
     return qi, si, mi
 
 
@@ -91,8 +92,8 @@ def q8_interleave(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     N8, G = -(-N // 8), scale.shape[1]
     qi = torch.empty((N8, 8 * K), dtype=torch.uint8)
     si = torch.empty((N8, G, 8))
-    library().specviz_q8_interleave(q.contiguous().data_ptr(), scale.contiguous().data_ptr(), K // G, N, K,
-                                    qi.data_ptr(), si.data_ptr())
+    q, scale = q.contiguous(), scale.contiguous()  # held until the call returns
+    library().specviz_q8_interleave(q.data_ptr(), scale.data_ptr(), K // G, N, K, qi.data_ptr(), si.data_ptr())
     return qi, si
 
 

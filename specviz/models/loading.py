@@ -299,6 +299,7 @@ def load_model(
                                      "delete that directory to convert the model again")
             a8 = weights == "packed-a8" or (weights == "auto" and cpu_kernels.has_int8_activations())
             apply_packed(model, blocks, int8_activations=a8)
+            del blocks  # the row-major copies (the layers hold their own, interleaved with 8-bit activations)
             lean.attach(model)  # transformers' arithmetic without its per-layer Python (models/lean.py)
     except ModelLoadError:
         raise

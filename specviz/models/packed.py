@@ -127,9 +127,16 @@ class PackedLinear(nn.Module):
 
     def select_rows(self, ids: torch.Tensor) -> "PackedLinear":
         """A PackedLinear computing only outputs `ids` (LongTensor [K]); the rows keep their own scales."""
-        p = self.packed()
-        sub = Packed(self.kind, p.q.index_select(0, ids), p.scale.index_select(0, ids),
-                     None if p.minv is None else p.minv.index_select(0, ids), self.source)
+        if self.int8_activations:  # only the 8-column blocks holding `ids` go back to rows (a head is ~100 MB)
+            blocks = torch.unique(ids // 8)  # sorted
+            part = PackedLinear.holding(self, {"q": self.q[blocks], "scale": self.scale[blocks], "bias": None,
+                                               "minv": None if self.minv is None else self.minv[blocks]},
+                                        8 * len(blocks), self.source)
+            p, at = part.packed(), torch.searchsorted(blocks, ids // 8) * 8 + ids % 8
+        else:
+            p, at = self.packed(), ids
+        sub = Packed(self.kind, p.q.index_select(0, at), p.scale.index_select(0, at),
+                     None if p.minv is None else p.minv.index_select(0, at), self.source)
         return PackedLinear(sub, None if self.bias is None else self.bias.index_select(0, ids), self.int8_activations)
 
     def extra_repr(self) -> str:

@@ -71,9 +71,9 @@ class Frame(NamedTuple):
 # run's decoding by ~20% and not the reference's, which draws less), and the engine's clock stands still
 # meanwhile (decoding.clock). What drawing adds is wall time: after a frame with plots that took t seconds
 # (~0.17 s) the next plots wait PLOT_WAIT t; after a text frame the next waits TEXT_WAIT t; text frames are at
-# least MIN_TEXT_GAP_S apart: about 5% of a run goes into drawing. A page that holds a record longer than
-# HANDOFF_S (a stalled stream) no longer holds decoding back.
-PLOT_WAIT, TEXT_WAIT, MIN_TEXT_GAP_S, HANDOFF_S = 19, 19, 0.4, 5.0
+# least MIN_TEXT_GAP_S apart: about 5% of a run goes into drawing. The worker waits at most HANDOFF_S for a
+# record (a stalled stream slows the run, it cannot hold it), and ends within STOP_POLL_S of a stop.
+PLOT_WAIT, TEXT_WAIT, MIN_TEXT_GAP_S, HANDOFF_S, STOP_POLL_S = 19, 19, 0.4, 5.0, 0.05
 
 
 def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag,
@@ -86,9 +86,15 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
     is set (or this generator is closed) the worker ends after the iteration it is in and releases the
     models' caches; the trace then ends there, marked stopped.
     """
-    updates: queue.Queue = queue.Queue()
-    handled = threading.Event()  # set by this generator when it is done with the record the worker handed over
+    updates: queue.Queue = queue.Queue()  # (record, its own "handled" event), then a _Failure or None
     builder = builder_for(source, cfg, target_only=target_only, meta=meta)
+
+    def handed_over(handled: threading.Event) -> None:
+        """Wait until the page is done with the record (the engine stays there, its clock stopped), a stop,
+        or HANDOFF_S."""
+        deadline = time.perf_counter() + HANDOFF_S
+        while not handled.wait(STOP_POLL_S) and not stop.is_set() and time.perf_counter() < deadline:
+            pass
 
     def work() -> None:
         events = records(source, cfg, target_only=target_only)
@@ -100,9 +106,9 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
                           flush=True)
                     break
                 iterations += isinstance(event, Iteration)
-                handled.clear()
-                updates.put(event)
-                handled.wait(HANDOFF_S)  # the engine stays at this record (its clock stopped) while the page draws
+                handled = threading.Event()
+                updates.put((event, handled))
+                handed_over(handled)
         except BaseException as e:  # re-raised in the page's thread, where the page reports it
             updates.put(_Failure(e))
         finally:
@@ -113,9 +119,10 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
     ended = False
     next_text = next_plots = 0.0
     try:
-        while (item := updates.get()) is not None:
-            if isinstance(item, _Failure):
-                raise item.error
+        while (got := updates.get()) is not None:
+            if isinstance(got, _Failure):
+                raise got.error
+            item, handled = got
             builder.add(item)
             now = time.perf_counter()
             if isinstance(item, Prefilling):  # a few per input, each after seconds of reading
@@ -135,8 +142,7 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
         yield Frame(builder.trace, True, True)
     finally:
         if not ended:  # closed early (an error, or Gradio dropped the stream): the worker must not go on
-            stop.stop("the page stopped reading the run")
-        handled.set()  # a worker waiting on its last record wakes, sees the stop (or the end) and leaves
+            stop.stop("the page stopped reading the run")  # a worker waiting on a record sees it and leaves
 
 
 def _article_source(models: ModelCache, article: str | None, settings: Settings, cfg: SpecConfig,

@@ -374,11 +374,13 @@ def main() -> None:
     limits = sessions.SHARED_LIMITS if shared_by_strangers(args.host) else sessions.VisitorLimits()
     demo = build(sessions.ModelCache(access=_model_access(args.host, args.models_dir)), limits)
     # allowed_paths: the sample clip is served from the assets folder wherever the app is started from
-    # state_session_capacity: Gradio keeps a copy of the page's component state for each session (~0.9 MB
-    # here) until it has seen this many newer ones; an API client's sessions never close.
+    # state_session_capacity: Gradio keeps a copy of the page's component state for each session (~0.9-3 MB
+    # here) until it has seen this many newer ones; an API client's sessions never close. SPECVIZ_SESSIONS_KEPT
+    # sets another bound (the soak test fills a small one before it measures).
+    kept = int(os.environ.get("SPECVIZ_SESSIONS_KEPT", SESSIONS_KEPT))
     demo.queue(default_concurrency_limit=4).launch(server_name=args.host, server_port=args.port, css=CSS, js=CLICK_JS,
                                                    show_error=True, max_file_size=MAX_UPLOAD,
-                                                   allowed_paths=[str(ASSETS)], state_session_capacity=SESSIONS_KEPT)
+                                                   allowed_paths=[str(ASSETS)], state_session_capacity=kept)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def json_name(value: Any) -> str:
 _META_TYPES = {"mode": (str,), "task": (str,), "config": (dict,), "prompt_text": (str,), "wer": (int, float),
                "rouge1": (int, float), "batch_size": (int,), "target_only": (dict,), "page_settings": (dict,),
                "draft_weights": (str,), "target_weights": (str,), "prompts_reused": (int,),
-               "costs": (dict,)}
+               "costs": (dict,), "prefill_s_by_model": (dict,)}
 
 
 def check_consistent(trace: Trace) -> None:

@@ -191,3 +191,12 @@ def test_an_uncached_hub_id_is_refused_within_seconds_when_the_hub_cannot_be_rea
     monkeypatch.setattr(hub, "cached", lambda name, file="config.json": True)
     assert hub.sources("owner/cached-model", "draft") == {"local_files_only": True}
     assert hub.sources("/a/missing/path", "draft") == {}  # not a hub id: transformers refuses it without a network
+
+
+@pytest.mark.parametrize("raw", ["zero", "0", "-3", "2.5"])
+def test_a_bad_session_state_bound_stops_the_page_with_a_message(raw):
+    from specviz.page import app
+
+    with pytest.raises(SystemExit, match="SPECVIZ_SESSIONS_KEPT must be a whole number"):
+        app.sessions_kept({"SPECVIZ_SESSIONS_KEPT": raw})
+    assert app.sessions_kept({}) == app.SESSIONS_KEPT and app.sessions_kept({"SPECVIZ_SESSIONS_KEPT": " 8 "}) == 8

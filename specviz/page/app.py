@@ -8,7 +8,7 @@ import inspect
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import gradio as gr
 
@@ -363,6 +363,17 @@ def _model_access(host: str, dirs: list[str] | None) -> sessions.ModelAccess:
 SESSIONS_KEPT = 64  # beyond these, the least recently active sessions start afresh (an exported trace reloads)
 
 
+def sessions_kept(environ: Mapping[str, str]) -> int:
+    """How many sessions' page state Gradio keeps: $SPECVIZ_SESSIONS_KEPT where set (the soak test fills a small
+    bound before it measures), else SESSIONS_KEPT. A value that is no whole number ≥ 1 stops the start, saying so."""
+    raw = environ.get("SPECVIZ_SESSIONS_KEPT", "").strip()
+    if not raw:
+        return SESSIONS_KEPT
+    if not raw.isdigit() or int(raw) < 1:
+        raise SystemExit(f"SPECVIZ_SESSIONS_KEPT must be a whole number of sessions, at least 1; got {raw!r}")
+    return int(raw)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Start the specviz page.")
     parser.add_argument("--host", default=os.environ.get("SPECVIZ_HOST", "127.0.0.1"))
@@ -375,9 +386,8 @@ def main() -> None:
     demo = build(sessions.ModelCache(access=_model_access(args.host, args.models_dir)), limits)
     # allowed_paths: the sample clip is served from the assets folder wherever the app is started from
     # state_session_capacity: Gradio keeps a copy of the page's component state for each session (~0.9-3 MB
-    # here) until it has seen this many newer ones; an API client's sessions never close. SPECVIZ_SESSIONS_KEPT
-    # sets another bound (the soak test fills a small one before it measures).
-    kept = int(os.environ.get("SPECVIZ_SESSIONS_KEPT", SESSIONS_KEPT))
+    # here) until it has seen this many newer ones; an API client's sessions never close.
+    kept = sessions_kept(os.environ)
     demo.queue(default_concurrency_limit=4).launch(server_name=args.host, server_port=args.port, css=CSS, js=CLICK_JS,
                                                    show_error=True, max_file_size=MAX_UPLOAD,
                                                    allowed_paths=[str(ASSETS)], state_session_capacity=kept)

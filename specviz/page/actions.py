@@ -115,7 +115,8 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
             events.close()  # drops the KV caches now, not when the generator is collected
             updates.put(None)  # the thread ends here, and its OpenMP team with it
 
-    threading.Thread(target=work, daemon=True).start()
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
     ended = False
     next_text = next_plots = 0.0
     try:
@@ -137,6 +138,7 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
                     next_text = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))
             handled.set()
         ended = True
+        worker.join(HANDOFF_S)  # its last item is in: the final frame waits until its thread (and team) is gone
         if stop.is_set():
             builder.trace.meta["stopped"] = True
         yield Frame(builder.trace, True, True)

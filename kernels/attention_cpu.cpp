@@ -19,6 +19,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPECVIZ_ATTENTION_AVX2 1
+#include "vector_math.h"
 #endif
 
 namespace {
@@ -45,24 +46,6 @@ inline __m256 lanes_sum8(const __m256* v) {
     const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                    _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-// e^x for x <= 0 (scores minus their maximum), Cephes' single-precision method: x = n ln2 + r, e^r by a
-// degree-6 polynomial, 2^n in the exponent bits. Plain arithmetic, so the same bits on every call.
-inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 // One row i of sequence b for the G query heads [h0, h0 + G) that share key head kh. Keys and values are read
@@ -99,7 +82,7 @@ void row(const float* q, const float* k, const float* v, const int32_t* keys, in
         for (int64_t t = n; t < padded; ++t) s[t] = m;  // padding lanes: exp(0), masked out of the sum below
         __m256 total = _mm256_setzero_ps();
         for (int64_t t = 0; t < padded; t += 8) {
-            __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m)));
+            __m256 e = specviz_math::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m)));
             if (t + 8 > n) {
                 alignas(32) int32_t keep[8];
                 for (int l = 0; l < 8; ++l) keep[l] = t + l < n ? -1 : 0;

@@ -60,10 +60,17 @@ class BufferedLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states [B, heads, n, head_dim]: written after the used slots; returns views
         [B, heads, length + n, head_dim] of everything held."""
+        start = self._claim(key_states, value_states)
+        self._keys[:, :, start: self.length] = key_states
+        self._values[:, :, start: self.length] = value_states
+        return self.keys, self.values
+
+    def _claim(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+        """Room for key_states' n slots ([B, heads, n, head_dim], as for values), counted as used from now;
+        returns the first of them. Allocates or grows the buffers where needed."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        end = self.length + n
+        start, end = self.length, self.length + key_states.shape[-2]
         if self._keys is not None and self._keys.shape[0] != key_states.shape[0]:
             if self.length:
                 raise ValueError(f"{key_states.shape[0]} rows written into a cache of {self._keys.shape[0]}")
@@ -72,11 +79,17 @@ class BufferedLayer(DynamicLayer):
             self._allocate(key_states, value_states, key_states.shape[0], max(end + self.headroom, self.reserve))
         elif end > self.capacity:
             self._allocate(key_states, value_states, key_states.shape[0], max(end, GROWTH * self.capacity))
-        self._keys[:, :, self.length: end] = key_states
-        self._values[:, :, self.length: end] = value_states
         self.length = end
         self._set_views()
-        return self.keys, self.values
+        return start
+
+    def claim(self, batch: int, heads: int, head_dim: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for n new slots that the caller writes itself (the native layers, models/native_forward.py):
+        returns the whole buffers (keys, values) [batch, heads, capacity, head_dim] and the first new slot. The
+        slots count as used from now: write them before any read."""
+        like = torch.empty(batch, heads, n, head_dim)  # shape and dtype only (fp32 on the CPU: the native layers')
+        start = self._claim(like, like)
+        return self._keys, self._values, start
 
     def get_seq_length(self) -> int:
         return self.length
@@ -168,6 +181,12 @@ class BufferedCache(DynamicCache):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states [B, heads, n, head_dim] -> views [B, heads, length, head_dim]."""
         return self._layer(layer_idx).update(key_states, value_states)
+
+    def claim(self, layer_idx: int, batch: int, heads: int, head_dim: int, n: int
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """BufferedLayer.claim on layer `layer_idx`: its buffers [batch, heads, capacity, head_dim] and the first
+        of n new slots."""
+        return self._layer(layer_idx).claim(batch, heads, head_dim, n)
 
     def place_rows(self, rows: list[tuple[tuple[torch.Tensor, torch.Tensor], ...] | None], width: int) -> None:
         """Become a cache of len(rows) rows and `width` slots from single-row prompts' keys and values

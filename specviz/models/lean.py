@@ -1,19 +1,21 @@
-"""A lean forward for a Qwen2/Llama-family model on the CPU kernels: the same arithmetic as transformers', a
-fraction of its Python.
+"""A lean forward for a Qwen2/Llama-family model on the CPU kernels: one function walks the layers with explicit
+state, as gpt-fast's `generate.py` does, instead of transformers' modules.
 
 Why: on two cores the packed target's step was ~72 ms, of which ~10 ms was neither a matmul nor attention
 but transformers' per-layer plumbing (modules, keyword arguments, mask and cache bookkeeping: ~4,000 op
-and call dispatches per step), and each of its 7 linear calls per layer pays a Python and ctypes toll. Here
-one function walks the layers with explicit state, as gpt-fast's `generate.py` does: the attention
-mask is built once per call, q/k/v are one kernel call and gate/up another (their packed rows concatenated
-where they share a format), attention goes straight to the batch-invariant kernel.
+and call dispatches per step), and each of its 7 linear calls per layer paid a Python and ctypes toll. Here
+the attention mask is built once per call, q/k/v are one kernel call and gate/up another (their packed rows
+concatenated where they share a format), attention goes straight to the batch-invariant kernel.
 
-Contract: every number is computed by the same operations in the same order as transformers' Qwen2 forward
-on the same modules (norms, rotary, residuals, SiLU; a fused projection's columns are computed exactly as
-each layer's own, since the kernels compute every output column alone), so the logits are the same bits
-(tests/test_lean.py), and batch invariance carries over. Used only where that holds: packed linear layers,
-the batch-invariant attention, full attention (no sliding window), SiLU MLP; everything else keeps
-transformers' forward.
+Two paths, one per model (a run and its target-only reference always decode through the same one):
+- native (models/native_forward.py, kernels/decoder_cpu.cpp): where every projection has 8-bit activations,
+  all layers in one native call per step. Batch-invariant bit for bit; transformers' logits up to rounding.
+- torch: otherwise. Every number is computed by the same operations in the same order as transformers'
+  Qwen2 forward on the same modules (norms, rotary, residuals, SiLU; a fused projection's columns are
+  computed exactly as each layer's own, since the kernels compute every output column alone), so the logits
+  are the same bits (tests/test_lean.py), and batch invariance carries over.
+Used only where that holds: packed linear layers, the batch-invariant attention, full attention (no sliding
+window), SiLU MLP; everything else keeps transformers' forward.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specviz.models import cpu_attention, cpu_kernels
+from specviz.models import cpu_attention, cpu_kernels, native_forward
 from specviz.models.arena import Arena, footprint
 from specviz.models.packed import PackedLinear, fuse
 
@@ -120,13 +122,17 @@ class LeanForward:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = model.model.layers[0].self_attn.scaling
+        projections = [m for layer in model.model.layers for m in (*_attention_linears(layer), *_mlp_linears(layer))]
+        self.native = (native_forward.NativeLayers(self.layers, cfg.hidden_size, self.heads, self.kv_heads,
+                                                   self.head_dim, self.layers[0].intermediate, self.scaling)
+                       if native_forward.applies(projections) else None)
 
     def hidden(self, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, cache,
                keep: int) -> torch.Tensor:
         """input_ids, positions [B, W] (positions: each token's index among its row's valid tokens); valid
         [B, L + W] bool, the cache's slots and the new ones (True: a real token); cache: a BufferedCache
         holding L slots, to which the W new ones are appended -> the final norm's output [B, keep, hidden]
-        for the last `keep` columns."""
+        for the last `keep` columns. Through the native layers where the model has them."""
         B, W = input_ids.shape
         past = cache.get_seq_length()
         slots = past + W
@@ -136,8 +142,13 @@ class LeanForward:
         sees = (valid[:, None, :] & causal[None]).to(torch.uint8).contiguous()  # [B, W, L + W]
         hidden = F.embedding(input_ids, self.embed)  # [B, W, hidden]
         cos, sin = self.rotary(hidden, positions)  # [B, W, D] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        if self.native is not None:
+            buffers = [cache.claim(i, B, Hkv, D, W)[:2] for i in range(len(self.layers))]
+            hidden = hidden.contiguous()
+            self.native.run(hidden, buffers, past, cos.contiguous(), sin.contiguous(), sees)
+            return _rms_norm(hidden[:, -keep:], self.norm, self.eps)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.norm1, layer.eps1)
             q, k, v = layer.project_qkv(x)

@@ -1,4 +1,4 @@
-"""The C++ kernels' one library (kernels/qmatmul_cpu.cpp, attention_cpu.cpp, verify_cpu.cpp): built once per
+"""The C++ kernels' one library (kernels/qmatmul_cpu.cpp, attention_cpu.cpp, decoder_cpu.cpp, verify_cpu.cpp): built once per
 machine, loaded through ctypes, its functions declared here.
 
 Built with the system's C++ compiler, -O3 -march=native and OpenMP, into the model cache (keyed by the
@@ -25,7 +25,8 @@ from typing import Callable
 from specviz.cache import cache_dir
 from specviz.paths import KERNELS
 
-SOURCES = [KERNELS / name for name in ("qmatmul_cpu.cpp", "attention_cpu.cpp", "verify_cpu.cpp")]
+SOURCES = [KERNELS / name for name in ("qmatmul_cpu.cpp", "attention_cpu.cpp", "decoder_cpu.cpp", "verify_cpu.cpp")]
+HEADERS = [KERNELS / "vector_math.h"]  # included by the sources: part of what a build is keyed by
 
 
 class KernelBuildError(RuntimeError):
@@ -47,7 +48,7 @@ def _cpu_signature() -> str:
 def source_digest() -> str:
     """A digest of the kernels' source (read once): the build's cache key, and what was measured on one
     version (a cost table) is not another's."""
-    return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:16]
+    return hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:16]
 
 
 def _compiler() -> str:
@@ -127,6 +128,10 @@ def _load() -> ctypes.CDLL:
         lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
         lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
         functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul]
+    if lib.specviz_has_decoder():  # layers: an array of decoder_cpu.cpp's Layer (specviz.models.native_forward)
+        lib.specviz_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64,
+                                               i64, i64, i64, ctypes.c_float, ptr, cint]
+        functions.append(lib.specviz_decoder_layers)
     lib.specviz_q4_interleave.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
     lib.specviz_q8_interleave.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
     functions += [lib.specviz_q4_interleave, lib.specviz_q8_interleave]

@@ -1,0 +1,226 @@
+// A whole decoder forward of a Qwen2/Llama-family model over its layers in one call: per layer RMS norm,
+// q/k/v projections (the 8-bit-activation kernels of qmatmul_cpu.cpp), rotary, the new keys and values
+// written into the KV cache's buffers, the batch-invariant attention (attention_cpu.cpp), the output
+// projection, RMS norm, gate/up, SwiGLU, down, and both residuals.
+//
+// Why: with the matmuls at the memory's speed, a two-core step was still ~30% something else for the
+// 0.5B draft (4.1 of its 14 ms: ~30 torch operations per layer, each a dispatch and a pass over memory, and
+// ~100 Python calls into the kernels per step; docs/benchmarks.md). Here those are a few loops over rows
+// that are in cache anyway, and Python pays one call per step.
+//
+// Batch invariance is the contract, as for the kernels it calls: every row's norm, rotary, SwiGLU and
+// residuals are computed by itself with the same operations in the same order whatever the number of
+// rows, and the projections and attention are batch-invariant; so a position gets the same bits in a
+// prefill, in a verification call beside other rows, or alone. Not the bits of transformers' torch
+// operations (their reductions run in another order): equal up to rounding (tests/test_lean.py measures how close).
+//
+// Layouts (fp32, row r = b·W + w): hidden [B·W, E] in and out; cos, sin [B·W, D] (rotary's tables for each
+// row's position); sees [B, W, past + W] uint8 (1: row w of sequence b attends to slot j); each layer's cache
+// buffers [B, Hkv, capacity, D], the call's new keys and values written at slots past … past + W - 1.
+// Built with the other kernels into one library (specviz.native).
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#include <chrono>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECVIZ_DECODER 1
+#include "vector_math.h"
+#endif
+
+#ifdef SPECVIZ_DECODER
+extern "C" {  // the kernels this walks (qmatmul_cpu.cpp, attention_cpu.cpp)
+void specviz_q4a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
+                         const float* minv, int64_t N, const float* bias, float* y, int nthreads);
+void specviz_q8a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t group,
+                         int64_t N, const float* bias, float* y, int nthreads);
+void specviz_attention(const float* q, const float* k, const float* v, const uint8_t* mask, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t L, int64_t S, int64_t Sk, int64_t D, float scale, float* out,
+                       int nthreads);
+}
+
+// One packed linear layer in the interleaved layout (specviz.models.cpu_kernels.q4_interleave / q8_interleave).
+// Mirrored by ctypes in specviz/models/native_forward.py: change both together.
+struct Projection {
+    const uint8_t* q;
+    const float* scale;
+    const float* minv;  // q4's minimums; null for q8
+    const float* bias;  // [n] or null
+    int64_t n;          // output columns
+    int64_t group;      // q8's scale group (16 or 32); 32 for q4
+};
+
+struct Layer {
+    const float* norm1;  // [E] input_layernorm's weight
+    const float* norm2;  // [E] post_attention_layernorm's weight
+    double eps1, eps2;
+    Projection qkv[3];       // q|k|v fused in qkv[0], or q, k, v
+    int64_t qkv_parts;       // 1 or 3
+    Projection o;
+    Projection gate_up[2];   // gate|up fused in gate_up[0], or gate, up
+    int64_t gate_up_parts;   // 1 or 2
+    Projection down;
+};
+
+namespace {
+
+enum Stage { NORM, QKV, ROTARY_CACHE, ATTENTION, OUTPUT, GATE_UP, SWIGLU, DOWN, RESIDUAL, STAGES };
+
+struct Clock {  // adds each stage's wall time to seconds[stage] where seconds is given
+    double* seconds;
+    std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+    void lap(Stage s) {
+        if (!seconds) return;
+        const auto now = std::chrono::steady_clock::now();
+        seconds[s] += std::chrono::duration<double>(now - last).count();
+        last = now;
+    }
+};
+
+void project(const Projection& p, const float* x, int64_t M, int64_t K, float* y, int nthreads) {  // y [M, p.n]
+    if (p.minv) specviz_q4a8_matmul(x, M, K, p.q, p.scale, p.minv, p.n, p.bias, y, nthreads);
+    else specviz_q8a8_matmul(x, M, K, p.q, p.scale, p.group, p.n, p.bias, y, nthreads);
+}
+
+inline float sum8(__m256 v) {  // a fixed-order sum of 8 lanes
+    alignas(32) float l[8];
+    _mm256_store_ps(l, v);
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// out = weight · x / sqrt(mean(x²) + eps), one row
+void rms_norm_row(const float* x, const float* weight, float eps, int64_t E, float* out) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= E; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float squares = sum8(acc);
+    for (; i < E; ++i) squares += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(squares / static_cast<float>(E) + eps);
+    for (i = 0; i < E; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+// out = silu(gate) · up = gate · σ(gate) · up, with σ from e^-|g| (never overflows)
+void swiglu_row(const float* gate, const float* up, int64_t I, float* out) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = specviz_math::exp_nonpositive(_mm256_or_ps(g, sign));  // e^-|g|
+        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        const __m256 sigma = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g);  // g < 0: e / (1 + e)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigma), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < I; ++i) {
+        const float e = expf(-fabsf(gate[i])), inv = 1.0f / (1.0f + e);
+        out[i] = gate[i] * (gate[i] < 0.0f ? e * inv : inv) * up[i];
+    }
+}
+
+// rotary on one head's D values: x·cos + rotate_half(x)·sin, rotate_half(x) = (-x[D/2:], x[:D/2])
+inline void rotate_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] - x[d + half] * sin[d];
+    for (int64_t d = half; d < D; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+int specviz_has_decoder() {
+#ifdef SPECVIZ_DECODER
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef SPECVIZ_DECODER
+// The layers' forward over hidden [B·W, E] in place (see the top of the file). keys / values: per layer its cache
+// buffers; I: the MLP's width; seconds: null, or [9] to which each stage's wall time is added (norm, qkv,
+// rotary + cache write, attention, output projection, gate/up, SwiGLU, down, residuals).
+void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers, float* const* keys,
+                            float* const* values, int64_t capacity, int64_t past, const float* cos, const float* sin,
+                            const uint8_t* sees, int64_t B, int64_t W, int64_t E, int64_t H, int64_t Hkv, int64_t D,
+                            int64_t I, float scaling, double* seconds, int nthreads) {
+    const int64_t M = B * W, HD = H * D, KD = Hkv * D;
+    const bool parallel_rows = M >= 16;  // below, one thread is quicker than waking the other
+    std::vector<float> xn(M * E), qkv(M * (HD + 2 * KD)), qrot(M * HD), att(M * HD), proj(M * E);
+    std::vector<float> gate_up(M * 2 * I), act(M * I);
+    Clock clock{seconds};
+    for (int64_t l = 0; l < n_layers; ++l) {
+        const Layer& L = layers[l];
+        float* kbuf = keys[l];
+        float* vbuf = values[l];
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
+        for (int64_t r = 0; r < M; ++r) rms_norm_row(hidden + r * E, L.norm1, static_cast<float>(L.eps1), E, xn.data() + r * E);
+        clock.lap(NORM);
+
+        // q, k, v: rows of one [M, HD + 2KD] block (fused) or three blocks one after another
+        const float *qs, *ks, *vs;
+        int64_t stride;
+        if (L.qkv_parts == 1) {
+            project(L.qkv[0], xn.data(), M, E, qkv.data(), nthreads);
+            qs = qkv.data(), ks = qs + HD, vs = ks + KD, stride = HD + 2 * KD;
+        } else {
+            project(L.qkv[0], xn.data(), M, E, qkv.data(), nthreads);
+            project(L.qkv[1], xn.data(), M, E, qkv.data() + M * HD, nthreads);
+            project(L.qkv[2], xn.data(), M, E, qkv.data() + M * (HD + KD), nthreads);
+            qs = qkv.data(), ks = qs + M * HD, vs = ks + M * KD, stride = 0;
+        }
+        clock.lap(QKV);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
+        for (int64_t r = 0; r < M; ++r) {
+            const int64_t b = r / W, w = r % W;
+            const float* qr = qs + r * (stride ? stride : HD);
+            const float* kr = ks + r * (stride ? stride : KD);
+            const float* vr = vs + r * (stride ? stride : KD);
+            const float *c = cos + r * D, *s = sin + r * D;
+            for (int64_t h = 0; h < H; ++h) rotate_head(qr + h * D, c, s, D, qrot.data() + ((b * H + h) * W + w) * D);
+            for (int64_t h = 0; h < Hkv; ++h) {
+                const int64_t slot = ((b * Hkv + h) * capacity + past + w) * D;
+                rotate_head(kr + h * D, c, s, D, kbuf + slot);
+                memcpy(vbuf + slot, vr + h * D, sizeof(float) * D);
+            }
+        }
+        clock.lap(ROTARY_CACHE);
+        specviz_attention(qrot.data(), kbuf, vbuf, sees, B, H, Hkv, W, past + W, capacity, D, scaling, att.data(),
+                          nthreads);
+        clock.lap(ATTENTION);
+        project(L.o, att.data(), M, HD, proj.data(), nthreads);
+        clock.lap(OUTPUT);
+        for (int64_t i = 0; i < M * E; ++i) hidden[i] += proj[i];
+        clock.lap(RESIDUAL);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
+        for (int64_t r = 0; r < M; ++r) rms_norm_row(hidden + r * E, L.norm2, static_cast<float>(L.eps2), E, xn.data() + r * E);
+        clock.lap(NORM);
+
+        const float *gs, *us;
+        if (L.gate_up_parts == 1) {
+            project(L.gate_up[0], xn.data(), M, E, gate_up.data(), nthreads);
+            gs = gate_up.data(), us = gs + I, stride = 2 * I;
+        } else {
+            project(L.gate_up[0], xn.data(), M, E, gate_up.data(), nthreads);
+            project(L.gate_up[1], xn.data(), M, E, gate_up.data() + M * I, nthreads);
+            gs = gate_up.data(), us = gs + M * I, stride = I;
+        }
+        clock.lap(GATE_UP);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
+        for (int64_t r = 0; r < M; ++r) swiglu_row(gs + r * stride, us + r * stride, I, act.data() + r * I);
+        clock.lap(SWIGLU);
+        project(L.down, act.data(), M, I, proj.data(), nthreads);
+        clock.lap(DOWN);
+        for (int64_t i = 0; i < M * E; ++i) hidden[i] += proj[i];
+        clock.lap(RESIDUAL);
+    }
+}
+#endif
+
+}  // extern "C"

@@ -13,6 +13,7 @@ import torch
 
 from specviz.bench.measure import _median_us
 from specviz.bench.roofline import INT8_LINEAR, linear_time, model_linears
+from specviz.models import native_forward
 from specviz.models.packed import PackedLinear
 from specviz.text.source import CausalLMDecoder
 
@@ -22,7 +23,9 @@ from specviz.text.source import CausalLMDecoder
 def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: int = 5,
                warmup: int = 2) -> dict:
     """{"prefill_s": seconds for the prompt, "steps": [{"tokens": M, "seconds": median, "ratio": to M = 1,
-    "linear_share": the fraction of a step inside the linear layers}]}."""
+    "linear_share": the fraction of a step inside the linear layers, "outside": {kind: fraction of a step} for
+    the rest where the native layers time it (norm, rotary_cache, attention, swiglu, residual, and "other": the
+    embedding, mask, final norm and Python)}]}."""
     decoder = CausalLMDecoder(model, vocab, 1)
     t0 = time.perf_counter()
     decoder.prefill([prompt])
@@ -36,12 +39,19 @@ def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: 
             decoder.forward([feed[:m]], m)
             decoder.rollback([fed])
         seconds = _median_us(step, warmup, repeat) / 1e6
-        with linear_time(model) as linear:  # a second pass, hooked: how much of a step the matmuls take
+        # a second pass, timed inside: how much of a step the matmuls take (module hooks on the linear layers
+        # called from Python; the native layers' own stage clocks for the rest)
+        with linear_time(model) as linear, native_forward.stage_seconds() as stages:
             t0 = time.perf_counter()
             for _ in range(repeat):
                 step()
             hooked = time.perf_counter() - t0
-        rows.append({"tokens": m, "seconds": seconds, "linear_share": linear[0] / hooked})
+        inside = linear[0] + sum(stages[k] for k in native_forward.MATMUL_STAGES)
+        row = {"tokens": m, "seconds": seconds, "linear_share": inside / hooked}
+        if any(stages.values()):
+            outside = {k: v / hooked for k, v in stages.items() if k not in native_forward.MATMUL_STAGES}
+            row["outside"] = {**outside, "other": 1 - inside / hooked - sum(outside.values())}
+        rows.append(row)
     base = next((r["seconds"] for r in rows if r["tokens"] == 1), rows[0]["seconds"])
     for r in rows:
         r["ratio"] = r["seconds"] / base

@@ -144,6 +144,14 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
             of_peak = f"{s['GMACps'] * 1e9 / peak:7.0%}" if peak else f"{'-':>7s}"
             print(f"{r['role']:6s} {r['weights']:11s} {s['tokens']:3d} {1e3 * s['seconds']:6.1f} {s['read_GBps']:6.1f} "
                   f"{s['read_GBps'] * 1e9 / bandwidth:6.0%} {s['GMACps']:7.1f} {of_peak} {s['linear_share']:16.0%}")
+    timed = [(r, s) for r in rows for s in r["steps"] if "outside" in s]
+    if timed:
+        kinds = list(timed[0][1]["outside"])
+        print("\noutside the linear layers, by kind (native layers' clocks; share of a step)")
+        print(f"{'role':6s} {'weights':11s} {'M':>3s} " + " ".join(f"{k:>12s}" for k in kinds))
+        for r, s in timed:
+            print(f"{r['role']:6s} {r['weights']:11s} {s['tokens']:3d} "
+                  + " ".join(f"{s['outside'][k]:12.1%}" for k in kinds))
     print(f"\n{machine.describe()}; prompt {rows[0]['prompt_tokens']} tokens; median of {args.repeat} after 2 warm-ups")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine.describe(), "repeat": args.repeat,

@@ -204,6 +204,31 @@ def test_policy_steps_plainly_and_probes_by_expected_loss_where_nothing_pays():
     assert near.probe_after(1, 1, expected_speedup(near.costs, 1, 1, [[0.6]])) < spacing
 
 
+def test_policy_prices_plain_steps_itself_where_the_choice_is_close():
+    """Drafting iterations never time a plain step, and its calibrated price can be off (the curve's shape
+    drifts): where the best γ is expected to gain little, every PLAIN_PROBE_EVERY-th iteration is a plain step
+    until the run has TRUST of its own; where drafting clearly pays, none."""
+    def run(costs: CostModel, alpha: float, iterations: int = 60) -> list[int]:
+        p = CostAware(costs=costs)
+        gammas = []
+        for _ in range(iterations):
+            g = p.current()
+            gammas.append(g)
+            costs.observe(1, g, g + 1, g, 0.02 * g, 0.1 if g == 0 else 0.1 + 0.02 * g, 0.0, 0.0, False)
+            p.update(feedback(g, {0: [alpha] * g}))
+        return gammas
+
+    close = synthetic(t1=0.1, per_token=0.02, draft=0.02)  # γ = 2 at α = 0.6: ~1.1× a plain step
+    gammas = run(close, 0.6)
+    plain = [i for i, g in enumerate(gammas) if g == 0]
+    every = CostAware.PLAIN_PROBE_EVERY
+    assert len(plain) == close.TRUST + 1  # the first of each kind is set aside as setup, then TRUST priced
+    assert all(b - a == every + 1 for a, b in zip(plain, plain[1:])) and plain[0] == every
+    assert close.plain_calls(1) == close.TRUST and all(g > 0 for g in gammas[plain[-1] + 1:])
+    clear = synthetic(t1=0.1, per_token=0.005, draft=0.01)  # drafting pays several times over at α = 0.9
+    assert all(g > 0 for g in run(clear, 0.9))
+
+
 def test_policy_without_measurements_keeps_its_gamma():
     p = CostAware(3, costs=CostModel())
     p.update(feedback(3, {0: [0.5, 0.5, 0.1]}))

@@ -151,6 +151,10 @@ class CostModel:
             return self.curve_plain[near] / self.curve[(near, 1)] * self.target_s(batch, 1)
         return self.target_s(batch, 1)
 
+    def plain_calls(self, batch: int) -> int:
+        """How many of the run's own plain steps for `batch` rows `plain_s` rests on."""
+        return len(self.plain.get(batch, ()))
+
     def draft_s(self, batch: int) -> float:
         """Seconds of one draft forward; 0 when no draft model has run (prompt lookup costs ~nothing)."""
         own = self.draft.get(batch)

@@ -202,11 +202,20 @@ class CostAware:
     probe), so that a draft that got better on an easier stretch of text is found again. A probe costs
     what its iteration is expected to lose against a plain step plus the draft's catching up on the tokens
     it missed; probes are spaced so that they take about EXPLORE_SHARE of the plain steps' time (every
-    2 to 64 plain steps): often where drafting nearly pays, rarely where it is far from paying."""
+    2 to 64 plain steps): often where drafting nearly pays, rarely where it is far from paying.
+
+    The other way round, drafting iterations never measure the plain step that every γ is weighed against: its
+    price is the calibration's, scaled by the run's level, and that misses when the cost curve's shape drifts
+    (a one-token step bound by memory, a 3-token call partly by arithmetic: 1.08× one at a calibration, 1.34×
+    an hour later on the 2-core EPYC; docs/benchmarks.md). So where the choice is close (the best plan expected
+    below PLAIN_PROBE_BELOW) and the run has not timed TRUST plain steps of its own, every PLAIN_PROBE_EVERY-th
+    iteration is a plain step: at most a few per run, each losing under half a step where drafting pays."""
 
     name = "cost"
     EXPLORE_SHARE = 0.03
     PROBE_MIN, PROBE_MAX = 2, 64
+    PLAIN_PROBE_EVERY = 8
+    PLAIN_PROBE_BELOW = 1.5
 
     def __init__(self, gamma: int | None = None, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
         # costs: the run's measurements, written by the driver after each iteration and read here, in the
@@ -217,6 +226,7 @@ class CostAware:
         # when it drafts, and it fades while the model sits out, so that it is tried again.
         self.by_drafter = {MODEL: RunningAcceptance(), LOOKUP: RunningAcceptance()}
         self.plain_run = 0  # plain steps since the last iteration that drafted
+        self.drafting_run = 0  # iterations that drafted since the last plain step
 
     def current(self) -> int:
         if self.gamma is None:
@@ -233,6 +243,7 @@ class CostAware:
             else:
                 acceptance.fade()
         self.plain_run = self.plain_run + 1 if fb.gamma == 0 else 0
+        self.drafting_run = 0 if fb.gamma == 0 else self.drafting_run + 1
         if self.costs is not None and self.costs.ready:
             rows = sorted(fb.examined) or [None]
             self.gamma = self._decide(rows if len(rows) > 1 else [None])
@@ -243,7 +254,7 @@ class CostAware:
         table = speedups(self.costs, batch, alphas, self.max_gamma)
         gamma = max(range(self.max_gamma + 1), key=lambda g: (table[g], -g))
         if gamma > 0:
-            return gamma
+            return 0 if self._plain_probe_due(batch, table[gamma]) else gamma
         probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
         return probe if self.plain_run >= self.probe_after(batch, probe, table[probe]) else 0
 
@@ -258,9 +269,16 @@ class CostAware:
                                 [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys],
                                 lookups, self.max_gamma)
         (kind, gamma), best = max(table.items(), key=lambda item: (item[1], -item[0][1]))
+        if best > 1.0 and self._plain_probe_due(len(keys), best):
+            return Plan(0, "")
         if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best):
             return Plan(gamma, kind)
         return Plan(0, "")
+
+    def _plain_probe_due(self, batch: int, best: float) -> bool:
+        """Whether this iteration should be a plain step that prices plain steps (see the class's text)."""
+        return (best < self.PLAIN_PROBE_BELOW and self.drafting_run >= self.PLAIN_PROBE_EVERY
+                and self.costs.plain_calls(batch) < self.costs.TRUST)
 
     def probe_after(self, batch: int, gamma: int, speedup: float) -> int:
         """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE. A probe

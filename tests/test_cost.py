@@ -222,7 +222,7 @@ def test_policy_prices_plain_steps_itself_where_the_choice_is_close():
     gammas = run(close, 0.6)
     plain = [i for i, g in enumerate(gammas) if g == 0]
     every = CostAware.PLAIN_PROBE_EVERY
-    assert len(plain) == close.TRUST + 1  # the first of each kind is set aside as setup, then TRUST priced
+    assert len(plain) == close.TRUST  # after drafting calls a plain step pays no setup: each one is priced
     assert all(b - a == every + 1 for a, b in zip(plain, plain[1:])) and plain[0] == every
     assert close.plain_calls(1) == close.TRUST and all(g > 0 for g in gammas[plain[-1] + 1:])
     clear = synthetic(t1=0.1, per_token=0.005, draft=0.01)  # drafting pays several times over at α = 0.9

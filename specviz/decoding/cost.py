@@ -80,12 +80,12 @@ class CostModel:
         self.curve_draft[batch] = seconds
 
     # ---- the run's calls -----------------------------------------------------------------------
-    def _add(self, table: dict, key, seconds: float) -> bool:
-        """Keep a sample, except a run's first call of each kind and shape: it pays one-off setup (a fresh
-        cache, first allocations; a Whisper draft's first call measured twice its step)."""
+    def _add(self, table: dict, key, seconds: float, setup: bool = True) -> bool:
+        """Keep a sample, except a run's first call of each kind and shape where it may pay one-off setup
+        (`setup`: a fresh cache, first allocations; a Whisper draft's first call measured twice its step)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return False
-        if (id(table), key) not in self._seen:
+        if setup and (id(table), key) not in self._seen:
             self._seen.add((id(table), key))
             return False
         table.setdefault(key, deque(maxlen=RECENT)).append(seconds)
@@ -96,8 +96,8 @@ class CostModel:
         """One iteration of the run: γ = 0 is a plain step; otherwise the target scored `scored` tokens per
         row and the draft made `draft_forwards` forwards. A draft that first caught up on many tokens (after
         plain steps) is not a sample of its step."""
-        if gamma == 0:
-            self._add(self.plain, batch, target_s)
+        if gamma == 0:  # after the run's target has scored drafts, a plain step pays no setup of its own
+            self._add(self.plain, batch, target_s, setup=not any(b == batch for b, _ in self.target))
             return
         calibrated = self._calibrated(batch)
         if self._add(self.target, (batch, scored), target_s) and calibrated:

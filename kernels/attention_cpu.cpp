@@ -86,7 +86,8 @@ void scores(const float* const* q, const float* kbase, const int32_t* keys, int6
         const float* kj = kbase + keys[t] * D;
         for (int h = 0; h < HP; ++h) {
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d), _mm256_loadu_ps(kj + d), acc);
+            for (int64_t d = 0; d < D; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d), _mm256_loadu_ps(kj + d), acc);
             s[h][t] = lanes_sum(acc) * scale;
         }
     }
@@ -132,7 +133,8 @@ void weighted_values(const float* const* s, const float* inv, const float* vbase
             }
         }
         for (int h = 0; h < HP; ++h)
-            for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o[h] + d0 + 8 * c, _mm256_mul_ps(acc[h][c], _mm256_set1_ps(inv[h])));
+            for (int c = 0; c < 8; ++c)
+                _mm256_storeu_ps(o[h] + d0 + 8 * c, _mm256_mul_ps(acc[h][c], _mm256_set1_ps(inv[h])));
     }
     for (int64_t d = d0; d < D; d += 8)
         for (int h = 0; h < HP; ++h) {

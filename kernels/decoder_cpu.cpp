@@ -160,7 +160,8 @@ void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers
         float* kbuf = keys[l];
         float* vbuf = values[l];
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
-        for (int64_t r = 0; r < M; ++r) rms_norm_row(hidden + r * E, L.norm1, static_cast<float>(L.eps1), E, xn.data() + r * E);
+        for (int64_t r = 0; r < M; ++r)
+            rms_norm_row(hidden + r * E, L.norm1, static_cast<float>(L.eps1), E, xn.data() + r * E);
         clock.lap(NORM);
 
         // q, k, v: rows of one [M, HD + 2KD] block (fused) or three blocks one after another
@@ -199,7 +200,8 @@ void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers
         for (int64_t i = 0; i < M * E; ++i) hidden[i] += proj[i];
         clock.lap(RESIDUAL);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
-        for (int64_t r = 0; r < M; ++r) rms_norm_row(hidden + r * E, L.norm2, static_cast<float>(L.eps2), E, xn.data() + r * E);
+        for (int64_t r = 0; r < M; ++r)
+            rms_norm_row(hidden + r * E, L.norm2, static_cast<float>(L.eps2), E, xn.data() + r * E);
         clock.lap(NORM);
 
         const float *gs, *us;

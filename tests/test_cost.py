@@ -214,8 +214,8 @@ def test_policy_prices_plain_steps_itself_where_the_choice_is_close():
         for _ in range(iterations):
             g = p.current()
             gammas.append(g)
+            p.update(feedback(g, {0: [alpha] * g}))  # the engine's order: the policy hears, then the costs
             costs.observe(1, g, g + 1, g, 0.02 * g, 0.1 if g == 0 else 0.1 + 0.02 * g, 0.0, 0.0, False)
-            p.update(feedback(g, {0: [alpha] * g}))
         return gammas
 
     close = synthetic(t1=0.1, per_token=0.02, draft=0.02)  # γ = 2 at α = 0.6: ~1.1× a plain step
@@ -227,6 +227,9 @@ def test_policy_prices_plain_steps_itself_where_the_choice_is_close():
     assert close.plain_calls(1) == close.TRUST and all(g > 0 for g in gammas[plain[-1] + 1:])
     clear = synthetic(t1=0.1, per_token=0.005, draft=0.01)  # drafting pays several times over at α = 0.9
     assert all(g > 0 for g in run(clear, 0.9))
+    unpriced = synthetic(t1=0.1, per_token=0.02, draft=0.02)
+    unpriced.observe = lambda *args: None  # plain steps whose time never counts (a clock that reads 0, say)
+    assert run(unpriced, 0.6, 200).count(0) == CostAware.PLAIN_PROBES  # probing stops anyway
 
 
 def test_policy_without_measurements_keeps_its_gamma():

@@ -41,6 +41,7 @@ PATHS = ("transformers", "torch", "native")  # transformers' forward; the lean f
 
 def decode_steps(model, path: str, head=None, lengths=(9, 5, 7)) -> list[torch.Tensor]:
     """Logits of a fixed script of decoder calls through `path` (PATHS)."""
+    assert path in PATHS
     lean.attach(model)
     if path == "transformers":
         model.lean_forward = None
@@ -74,9 +75,14 @@ def test_the_lean_forward_gives_transformers_bits(formats):
         assert e.shape == g.shape and torch.equal(e, g), f"call {i}: max |Δ| {float((e - g).abs().max())}"
 
 
-def _finite_rows(calls: list[torch.Tensor]) -> torch.Tensor:  # the scored positions' logits [n, V]
-    rows = torch.cat([c.reshape(-1, c.shape[-1]) for c in calls])
-    return rows[torch.isfinite(rows).all(-1) & (rows.abs().sum(-1) > 0)]
+def _rows(calls: list[torch.Tensor]) -> torch.Tensor:  # every position's logits [n, V], padding included
+    return torch.cat([c.reshape(-1, c.shape[-1]) for c in calls])
+
+
+def _scored(*rows: torch.Tensor) -> torch.Tensor:
+    """Where every one of `rows` holds a scored position (finite, not a padding row of zeros): one mask for all,
+    so that the same positions are compared."""
+    return torch.stack([torch.isfinite(r).all(-1) & (r.abs().sum(-1) > 0) for r in rows]).all(0)
 
 
 @pytest.mark.parametrize("formats", FORMATS.values(), ids=FORMATS.keys())
@@ -89,31 +95,43 @@ def test_the_native_layers_are_as_close_to_fp32_activations_as_transformers_8_bi
     errors = {"transformers": [], "native": []}
     agree = {"transformers": [], "native": []}
     for seed in range(3):
-        reference = _finite_rows(decode_steps(packed_model(formats, seed, int8_activations=False), "transformers"))
+        reference = _rows(decode_steps(packed_model(formats, seed, int8_activations=False), "transformers"))
         model = packed_model(formats, seed)
+        got = {path: _rows(decode_steps(model, path)) for path in errors}
+        scored = _scored(reference, *got.values())
         for path in errors:
-            got = _finite_rows(decode_steps(model, path))
-            errors[path].append((got - reference).norm(dim=-1) / reference.norm(dim=-1))
-            agree[path].append(got.argmax(-1) == reference.argmax(-1))
+            e, r = got[path][scored], reference[scored]
+            errors[path].append((e - r).norm(dim=-1) / r.norm(dim=-1))
+            agree[path].append(e.argmax(-1) == r.argmax(-1))
     e_torch, e_native = torch.cat(errors["transformers"]), torch.cat(errors["native"])
     assert len(e_native) >= 60 and float(e_torch.mean()) < 0.2
     assert float(e_native.mean()) <= 1.25 * float(e_torch.mean()) + 0.005, (e_native.mean(), e_torch.mean())
     assert torch.cat(agree["native"]).float().mean() >= torch.cat(agree["transformers"]).float().mean() - 0.1
 
 
-def test_the_native_layers_give_a_row_the_same_bits_alone_or_in_a_ragged_batch():
-    model = packed_model(FORMATS["unfused"])
+@pytest.mark.parametrize("formats", FORMATS.values(), ids=FORMATS.keys())
+def test_the_native_layers_give_a_row_the_same_bits_alone_or_in_a_ragged_batch(formats):
+    """decode_steps' row 1 (its prompt of 5, then [4], then [7, 8] after a rollback) and row 0 (then [11 … 14]
+    after the select), decoded alone: the same logits at every position they scored in the batch."""
+    model = packed_model(formats)
     batch = decode_steps(model, "native")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (9, 5, 7)]
-    alone = CausalLMDecoder(model, VOCAB, 1)
     with torch.inference_mode():
+        alone = CausalLMDecoder(model, VOCAB, 1)
         alone.prefill([prompts[1]])
         first = alone.forward([[4]], 1)
         alone.rollback([alone.fed(0)])
         second = alone.forward([[7, 8]], 2)
-    assert torch.equal(first[0, -1], batch[0][1, -1])  # row 1 fed one token beside rows of 3 and 0
+        row0 = CausalLMDecoder(model, VOCAB, 1)
+        row0.prefill([prompts[0]])
+        row0.forward([[1, 2, 3]], 3)
+        row0.rollback([row0.fed(0) - 2])
+        row0.forward([[5, 6]], 2)
+        third = row0.forward([[11, 12, 13, 14]], 4)
+    assert torch.equal(first[0, -1], batch[0][1, -1])  # fed one token beside rows of 3 and 0
     assert torch.equal(second[0], batch[1][1])
+    assert torch.equal(third[0], batch[2][1])  # after the select, beside a row of one
 
 
 def test_the_native_stage_timers_add_up_this_threads_calls_only():
@@ -133,15 +151,18 @@ def test_the_native_stage_timers_add_up_this_threads_calls_only():
     assert all(v == 0 for v in idle.values())  # the other thread's calls were not timed
 
 
-def test_a_prompt_read_in_pieces_gives_the_bits_of_one_forward(monkeypatch):
+@pytest.mark.parametrize("path", ("torch", "native"))
+def test_a_prompt_read_in_pieces_gives_the_bits_of_one_forward(monkeypatch, path):
     """Prefill in pieces (for its progress) computes what one forward over the prompt does: the same keys and
-    values, so the same logits at every later call; and it reports every piece, ending at the whole."""
+    values, so the same logits at every later call; and it reports every piece, ending at the whole. (A
+    whole batched prompt is over 16 rows, the native layers' threaded row loops; a piece under 16, their
+    serial ones.)"""
     model = packed_model(FORMATS["fused"])
     for lengths in ((9, 5, 7), (8, 8, 8)):  # read one by one and merged; read as one batch
-        whole = decode_steps(model, "native", lengths=lengths)
+        whole = decode_steps(model, path, lengths=lengths)
         with monkeypatch.context() as patch:
             patch.setattr(CausalLMDecoder, "PREFILL_PIECE", 3)
-            pieces = decode_steps(model, "native", lengths=lengths)
+            pieces = decode_steps(model, path, lengths=lengths)
         for i, (e, g) in enumerate(zip(whole, pieces)):
             assert torch.equal(e, g), f"{lengths}, call {i}: max |Δ| {float((e - g).abs().max())}"
     monkeypatch.setattr(CausalLMDecoder, "PREFILL_PIECE", 3)
@@ -162,7 +183,10 @@ def test_the_reduced_draft_head_reads_the_lean_hidden_states():
     got = decode_steps(model, "torch", head=head)
     assert all(torch.equal(e, g) for e, g in zip(expected, got))
     native = decode_steps(model, "native", head=head)
-    assert all(torch.isinf(n).equal(torch.isinf(g)) for n, g in zip(native, got))
+    assert all(torch.isinf(n).equal(torch.isinf(g)) for n, g in zip(native, got))  # the same subset
+    full = decode_steps(model, "native")
+    for n, f in zip(native, full):  # inside the subset, the full head's own numbers
+        assert torch.equal(n[torch.isfinite(n)], f[torch.isfinite(n)])
     assert torch.isinf(got[0]).any()  # outside the subset: -inf, as the head defines
 
 

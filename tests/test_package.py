@@ -49,7 +49,9 @@ def test_pip_install_gives_both_commands(tmp_path):
              "assert len(sample_article()) > 500\n"
              "assert (p.ASSETS / 'sample_speech.flac').stat().st_size > 100_000\n"
              "assert (p.ASSETS / 'eval' / 'text' / 'manifest.jsonl').is_file()\n"
-             "assert all((p.KERNELS / n).is_file() for n in ('verify.cu', 'qmatmul_cpu.cpp', 'attention_cpu.cpp'))\n")
+             "from specviz.native import SOURCES, HEADERS\n"
+             "assert all(f.is_file() and f.parent == p.KERNELS for f in SOURCES + HEADERS), SOURCES + HEADERS\n"
+             "assert (p.KERNELS / 'verify.cu').is_file()\n")
     out = subprocess.run([str(bin_dir / "python"), "-c", probe], cwd=elsewhere, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

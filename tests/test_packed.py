@@ -221,6 +221,50 @@ def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
                 lib.specviz_q8a8_matmul(x.data_ptr(), m, 448, layer.q.data_ptr(), layer.scale.data_ptr(), group,
                                         37, bias.data_ptr(), theirs.data_ptr(), 2)
             assert torch.equal(ours, theirs), f"{kind} (group {group}), {m} rows: the builds differ"
+    # attention: AVX-512 takes three query heads per pass over their key head, AVX2 one: the same bits
+    lib.specviz_attention.argtypes, lib.specviz_attention.restype = native.specviz_attention.argtypes, None
+    g = torch.Generator().manual_seed(3)
+    for heads, kv_heads, D, rows in ((12, 2, 128, 3), (7, 1, 64, 1), (14, 2, 64, 8), (4, 4, 24, 2)):
+        keys = 37 + rows
+        q = torch.randn(2, heads, rows, D, generator=g)
+        k, v = torch.randn(2, kv_heads, 50, D, generator=g), torch.randn(2, kv_heads, 50, D, generator=g)
+        sees = torch.rand(2, rows, keys, generator=g) < 0.8
+        sees[:, :, 0] = True
+        sees = sees.to(torch.uint8).contiguous()
+        ours = cpu_kernels.attention(q, k[:, :, :keys], v[:, :, :keys], sees, 0.125)
+        theirs = torch.empty_like(ours)
+        lib.specviz_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), sees.data_ptr(), 2, heads, kv_heads, rows, keys,
+                              50, D, 0.125, theirs.data_ptr(), 2)
+        assert torch.equal(ours, theirs), f"attention, {heads} heads over {kv_heads}, D {D}: the builds differ"
+
+
+def test_a_copy_without_a_kernel_source_says_so_and_falls_back(tmp_path):
+    """An installed copy that lost a file the kernels include (say, a package without its headers): the build
+    fails with the compiler's reason, `available()` is False (the torch path runs), nothing raises elsewhere."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for source in cpu_kernels.SOURCES:
+        shutil.copy(source, kernels / source.name)
+    code = ("from pathlib import Path\n"
+            "import specviz.native as n\n"
+            f"k = Path({str(kernels)!r})\n"
+            "n.SOURCES[:] = [k / s.name for s in n.SOURCES]\n"
+            "n.HEADERS[:] = [k / h.name for h in n.HEADERS]  # not copied\n"
+            "from specviz.models import cpu_kernels\n"
+            "assert not cpu_kernels.available()\n"
+            "try:\n"
+            "    cpu_kernels.library()\n"
+            "except n.KernelBuildError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SPECVIZ_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "building the CPU kernels failed" in out.stdout and "vector_math.h" in out.stdout
 
 
 def test_the_4bit_draft_blocks_round_to_the_nearest_level_of_each_groups_range():

@@ -209,13 +209,15 @@ class CostAware:
     (a one-token step bound by memory, a 3-token call partly by arithmetic: 1.08× one at a calibration, 1.34×
     an hour later on the 2-core EPYC; docs/benchmarks.md). So where the choice is close (the best plan expected
     below PLAIN_PROBE_BELOW) and the run has not timed TRUST plain steps of its own, every PLAIN_PROBE_EVERY-th
-    iteration is a plain step: at most a few per run, each losing under half a step where drafting pays."""
+    iteration is a plain step: at most PLAIN_PROBES per run (batch sizes change as rows finish: each size's plain
+    price then follows the level of the one measured), each losing under half a step where drafting pays."""
 
     name = "cost"
     EXPLORE_SHARE = 0.03
     PROBE_MIN, PROBE_MAX = 2, 64
     PLAIN_PROBE_EVERY = 8
     PLAIN_PROBE_BELOW = 1.5
+    PLAIN_PROBES = 4
 
     def __init__(self, gamma: int | None = None, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
         # costs: the run's measurements, written by the driver after each iteration and read here, in the
@@ -227,6 +229,7 @@ class CostAware:
         self.by_drafter = {MODEL: RunningAcceptance(), LOOKUP: RunningAcceptance()}
         self.plain_run = 0  # plain steps since the last iteration that drafted
         self.drafting_run = 0  # iterations that drafted since the last plain step
+        self.plain_probes = 0  # plain steps taken to price plain steps, this run
 
     def current(self) -> int:
         if self.gamma is None:
@@ -277,8 +280,10 @@ class CostAware:
 
     def _plain_probe_due(self, batch: int, best: float) -> bool:
         """Whether this iteration should be a plain step that prices plain steps (see the class's text)."""
-        return (best < self.PLAIN_PROBE_BELOW and self.drafting_run >= self.PLAIN_PROBE_EVERY
-                and self.costs.plain_calls(batch) < self.costs.TRUST)
+        due = (best < self.PLAIN_PROBE_BELOW and self.drafting_run >= self.PLAIN_PROBE_EVERY
+               and self.plain_probes < self.PLAIN_PROBES and self.costs.plain_calls(batch) < self.costs.TRUST)
+        self.plain_probes += due  # asked once per iteration (`plan`, or `update` for `current`)
+        return due
 
     def probe_after(self, batch: int, gamma: int, speedup: float) -> int:
         """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE. A probe

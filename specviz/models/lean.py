@@ -14,8 +14,8 @@ Two paths, one per model (a run and its target-only reference always decode thro
   Qwen2 forward on the same modules (norms, rotary, residuals, SiLU; a fused projection's columns are
   computed exactly as each layer's own, since the kernels compute every output column alone), so the logits
   are the same bits (tests/test_lean.py), and batch invariance carries over.
-Used only where that holds: packed linear layers, the batch-invariant attention, full attention (no sliding
-window), SiLU MLP; everything else keeps transformers' forward.
+Used only for packed linear layers, the batch-invariant attention, full attention (no sliding window) and a SiLU
+MLP; everything else keeps transformers' forward.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ _FAMILIES = ("qwen2", "llama")  # decoder layers of exactly this shape (q/k/v/o,
 
 
 def supports(model: nn.Module) -> bool:
-    """Whether `model` is one this forward reproduces bit for bit (else use transformers')."""
+    """Whether `model` is one this forward runs (else transformers'): its torch path reproduces transformers' bits
+    there, its native path the same model batch-invariantly (see the module's text)."""
     cfg = model.config
     if cfg.model_type not in _FAMILIES or cfg._attn_implementation != cpu_attention.NAME:
         return False
@@ -123,9 +124,10 @@ class LeanForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = model.model.layers[0].self_attn.scaling
         projections = [m for layer in model.model.layers for m in (*_attention_linears(layer), *_mlp_linears(layer))]
+        norms = [w for layer in self.layers for w in (layer.norm1, layer.norm2)]
         self.native = (native_forward.NativeLayers(self.layers, cfg.hidden_size, self.heads, self.kv_heads,
                                                    self.head_dim, self.layers[0].intermediate, self.scaling)
-                       if native_forward.applies(projections) else None)
+                       if native_forward.applies(projections, norms) else None)
 
     def hidden(self, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, cache,
                keep: int) -> torch.Tensor:
@@ -144,9 +146,15 @@ class LeanForward:
         cos, sin = self.rotary(hidden, positions)  # [B, W, D] each
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         if self.native is not None:
-            buffers = [cache.claim(i, B, Hkv, D, W)[:2] for i in range(len(self.layers))]
-            hidden = hidden.contiguous()
-            self.native.run(hidden, buffers, past, cos.contiguous(), sin.contiguous(), sees)
+            hidden, cos, sin = hidden.contiguous(), cos.contiguous(), sin.contiguous()
+            self.native.check(hidden, cos, sin, sees, past)  # before the cache hands out slots
+            buffers = []
+            for i in range(len(self.layers)):
+                keys, values, start = cache.claim(i, B, Hkv, D, W)
+                if start != past:
+                    raise ValueError(f"layer {i} of the cache holds {start} slots, layer 0 {past}")
+                buffers.append((keys, values))
+            self.native.run(hidden, buffers, past, cos, sin, sees)
             return _rms_norm(hidden[:, -keep:], self.norm, self.eps)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):

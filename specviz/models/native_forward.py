@@ -39,11 +39,11 @@ class _Layer(ctypes.Structure):  # decoder_cpu.cpp's Layer
                 ("down", _Projection)]
 
 
-def applies(projections: list[PackedLinear]) -> bool:
-    """Whether the native layers can run these (the lean forward's) projections: the build has them, and every
-    projection is held for 8-bit activations."""
+def applies(projections: list[PackedLinear], norms: list[torch.Tensor]) -> bool:
+    """Whether the native layers can run these (the lean forward's) projections and norm weights: the build has
+    them, every projection is held for 8-bit activations, and the norms are fp32."""
     return (cpu_kernels.available() and bool(cpu_kernels.library().specviz_has_decoder())
-            and all(p.int8_activations for p in projections))
+            and all(p.int8_activations for p in projections) and all(w.dtype == torch.float32 for w in norms))
 
 
 def _projection(p: PackedLinear) -> _Projection:
@@ -53,16 +53,20 @@ def _projection(p: PackedLinear) -> _Projection:
 
 
 class NativeLayers:
-    """The layers of a LeanForward as decoder_cpu.cpp's array of Layer. Points into the weights' own tensors, which
-    the LeanForward holds for as long as this lives; read-only after construction (any thread may run it)."""
+    """The layers of a LeanForward as decoder_cpu.cpp's array of Layer, pointing into the weights' tensors, which it
+    holds itself (a later LeanForward over the same model moves the modules' tensors to its own arena; these stay).
+    Read-only after construction: any thread may run it."""
 
     def __init__(self, layers: list, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  scaling: float):
         self.shape = (hidden, heads, kv_heads, head_dim, intermediate)
         self.scaling = scaling
         self.array = (_Layer * len(layers))()
+        self._held: list[torch.Tensor] = []  # every tensor a pointer in `array` points into
         for entry, layer in zip(self.array, layers):
-            entry.norm1, entry.norm2 = layer.norm1.data_ptr(), layer.norm2.data_ptr()
+            norms = [w.contiguous() for w in (layer.norm1, layer.norm2)]
+            self._held += norms
+            entry.norm1, entry.norm2 = norms[0].data_ptr(), norms[1].data_ptr()
             entry.eps1, entry.eps2 = layer.eps1, layer.eps2
             qkv = [layer.qkv] if layer.qkv is not None else [layer.q, layer.k, layer.v]
             gate_up = [layer.gate_up] if layer.gate_up is not None else [layer.gate, layer.up]
@@ -72,40 +76,63 @@ class NativeLayers:
                 entry.gate_up[i] = _projection(p)
             entry.qkv_parts, entry.gate_up_parts = len(qkv), len(gate_up)
             entry.o, entry.down = _projection(layer.o), _projection(layer.down)
-        for name in ("norm1", "norm2"):  # the pointers above are to these: fp32 and contiguous
-            assert all(getattr(layer, name).is_contiguous() and getattr(layer, name).dtype == torch.float32
-                       for layer in layers)
+            self._held += [t for p in (*qkv, *gate_up, layer.o, layer.down)
+                           for t in (p.q, p.scale, p.minv, p.bias) if t is not None]
+
+    @property
+    def layers(self) -> int:
+        return len(self.array)
+
+    def check(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sees: torch.Tensor, past: int) -> None:
+        """ValueError unless a call over hidden [B, W, E] with these tables and mask fits this model (checked before
+        the cache hands out any slot)."""
+        B, W, E = hidden.shape
+        hidden_size, H, Hkv, D, I = self.shape
+        tables = all(t.shape == (B, W, D) and t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
+        if (E != hidden_size or hidden.dtype != torch.float32 or not hidden.is_contiguous() or not tables
+                or sees.shape != (B, W, past + W) or sees.dtype != torch.uint8 or not sees.is_contiguous()):
+            raise ValueError(f"a native call over hidden {tuple(hidden.shape)} {hidden.dtype}, rotary tables "
+                             f"{tuple(cos.shape)}, mask {tuple(sees.shape)} does not fit a model of hidden size "
+                             f"{hidden_size} and head size {D} after {past} slots")
 
     def run(self, hidden: torch.Tensor, buffers: list[tuple[torch.Tensor, torch.Tensor]], past: int,
             cos: torch.Tensor, sin: torch.Tensor, sees: torch.Tensor) -> None:
         """hidden [B, W, E] fp32 contiguous, updated in place through every layer; buffers: each layer's cache
-        buffers (keys, values) [B, Hkv, capacity, D], the W new slots at past …; cos, sin [B, W, D] contiguous;
-        sees [B, W, past + W] uint8 contiguous."""
+        buffers (keys, values) [B, Hkv, capacity, D] fp32 contiguous, the W new slots at past …; cos, sin [B, W, D]
+        contiguous; sees [B, W, past + W] uint8 contiguous (see `check`)."""
+        self.check(hidden, cos, sin, sees, past)
         B, W, E = hidden.shape
-        hidden_size, H, Hkv, D, I = self.shape
+        _, H, Hkv, D, I = self.shape
+        if len(buffers) != self.layers:
+            raise ValueError(f"{len(buffers)} layers' cache buffers for a model of {self.layers} layers")
         capacity = buffers[0][0].shape[2]
-        if E != hidden_size or any(k.shape != (B, Hkv, capacity, D) or v.shape != k.shape for k, v in buffers):
-            raise ValueError(f"cache buffers {[tuple(k.shape) for k, _ in buffers[:1]]} do not fit a call of "
-                             f"{B} rows × {W} and capacity {capacity}")
-        assert hidden.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and sees.is_contiguous()
-        assert sees.shape == (B, W, past + W) and past + W <= capacity
-        n = len(buffers)
-        keys = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in buffers))
-        values = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in buffers))
-        seconds = _timing.seconds if _timing.owner == threading.get_ident() else None
+        for k, v in buffers:  # one capacity for all: the cache's layers grow together (BufferedCache.claim)
+            if any(t.shape != (B, Hkv, capacity, D) or t.dtype != torch.float32 or not t.is_contiguous()
+                   for t in (k, v)):
+                raise ValueError(f"cache buffers {tuple(k.shape)}, {tuple(v.shape)} do not fit a call of {B} rows "
+                                 f"({Hkv} key heads of {D}, capacity {capacity})")
+        if past + W > capacity:
+            raise ValueError(f"{past} + {W} slots do not fit the cache's capacity of {capacity}")
+        keys = (ctypes.c_void_p * self.layers)(*(k.data_ptr() for k, _ in buffers))
+        values = (ctypes.c_void_p * self.layers)(*(v.data_ptr() for _, v in buffers))
+        seconds = _timing.seconds_for(threading.get_ident())
         cpu_kernels.library().specviz_decoder_layers(
-            hidden.data_ptr(), self.array, n, keys, values, capacity, past, cos.data_ptr(), sin.data_ptr(),
+            hidden.data_ptr(), self.array, self.layers, keys, values, capacity, past, cos.data_ptr(), sin.data_ptr(),
             sees.data_ptr(), B, W, E, H, Hkv, D, I, self.scaling,
             None if seconds is None else seconds.ctypes.data, torch.get_num_threads())
 
 
 class _Timing:
-    """Per-stage seconds the native layers add up while `stage_seconds` is open. Written by the one thread that
-    opened it (the benchmark's) and read after: other threads' calls see owner != their id and pass no timer."""
+    """Per-stage seconds the native layers add up while `stage_seconds` is open. Opened and closed under the lock;
+    only the thread that opened it gets the array (other threads' calls pass no timer), and it is read after."""
 
     def __init__(self):
+        self.lock = threading.Lock()
         self.owner: int | None = None
         self.seconds = None
+
+    def seconds_for(self, thread: int):
+        return self.seconds if self.owner == thread else None
 
 
 _timing = _Timing()
@@ -117,12 +144,14 @@ def stage_seconds() -> Iterator[dict[str, float]]:
     them ({stage: seconds}) once the block ends. One block open at a time (a benchmark's)."""
     import numpy as np
 
-    if _timing.owner is not None:
-        raise RuntimeError("stage_seconds is already open")
-    _timing.owner, _timing.seconds = threading.get_ident(), np.zeros(len(STAGES))
+    with _timing.lock:
+        if _timing.owner is not None:
+            raise RuntimeError("stage_seconds is already open")
+        _timing.owner, _timing.seconds = threading.get_ident(), np.zeros(len(STAGES))
     out: dict[str, float] = {}
     try:
         yield out
     finally:
-        out.update(zip(STAGES, _timing.seconds.tolist()))
-        _timing.owner, _timing.seconds = None, None
+        with _timing.lock:
+            out.update(zip(STAGES, _timing.seconds.tolist()))
+            _timing.owner, _timing.seconds = None, None

@@ -25,11 +25,7 @@
 namespace {
 
 #ifdef SPECVIZ_ATTENTION_AVX2
-inline float lanes_sum(__m256 v) {  // a fixed-order reduction of 8 lanes
-    alignas(32) float l[8];
-    _mm256_store_ps(l, v);
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
+using specviz_math::lanes_sum;
 
 // lanes_sum of eight vectors at once, as one vector [sum(v[0]), ..., sum(v[7])]: the same additions in the
 // same pairing, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so each the same bits as lanes_sum.

@@ -85,12 +85,6 @@ void project(const Projection& p, const float* x, int64_t M, int64_t K, float* y
     else specviz_q8a8_matmul(x, M, K, p.q, p.scale, p.group, p.n, p.bias, y, nthreads);
 }
 
-inline float sum8(__m256 v) {  // a fixed-order sum of 8 lanes
-    alignas(32) float l[8];
-    _mm256_store_ps(l, v);
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
 // out = weight · x / sqrt(mean(x²) + eps), one row
 void rms_norm_row(const float* x, const float* weight, float eps, int64_t E, float* out) {
     __m256 acc = _mm256_setzero_ps();
@@ -99,7 +93,7 @@ void rms_norm_row(const float* x, const float* weight, float eps, int64_t E, flo
         const __m256 v = _mm256_loadu_ps(x + i);
         acc = _mm256_fmadd_ps(v, v, acc);
     }
-    float squares = sum8(acc);
+    float squares = specviz_math::lanes_sum(acc);
     for (; i < E; ++i) squares += x[i] * x[i];
     const float inv = 1.0f / sqrtf(squares / static_cast<float>(E) + eps);
     for (i = 0; i < E; ++i) out[i] = weight[i] * (x[i] * inv);

@@ -4,6 +4,12 @@
 
 namespace specviz_math {
 
+inline float lanes_sum(__m256 v) {  // a fixed-order reduction of 8 lanes
+    alignas(32) float l[8];
+    _mm256_store_ps(l, v);
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
 // e^x for x <= 0 (scores minus their maximum), Cephes' single-precision method: x = n ln2 + r, e^r by a
 // degree-6 polynomial, 2^n in the exponent bits. Plain arithmetic, so the same bits on every call.
 inline __m256 exp_nonpositive(__m256 x) {

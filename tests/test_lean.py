@@ -134,6 +134,24 @@ def test_the_native_layers_give_a_row_the_same_bits_alone_or_in_a_ragged_batch(f
     assert torch.equal(third[0], batch[2][1])  # after the select, beside a row of one
 
 
+def test_a_native_call_that_does_not_fit_says_so_and_takes_no_cache_slot():
+    from specviz.models.kv_cache import BufferedCache
+
+    model = packed_model(FORMATS["fused"])
+    native = lean.LeanForward(model).native
+    hidden_size, heads, kv_heads, head_dim, _ = native.shape
+    cache = BufferedCache()
+    tables = torch.zeros(1, 2, head_dim), torch.zeros(1, 2, head_dim)
+    sees = torch.ones(1, 2, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not fit a model of hidden size"):
+        native.run(torch.zeros(1, 2, hidden_size + 8), cache, 0, *tables, sees)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.run(torch.zeros(1, 2, hidden_size), cache, 0, *tables, torch.ones(1, 2, 3, dtype=torch.uint8))
+    assert cache.get_seq_length() == 0  # nothing claimed by a refused call
+    native.run(torch.zeros(1, 2, hidden_size), cache, 0, *tables, sees)  # the same call, fitting
+    assert cache.get_seq_length() == 2
+
+
 def test_the_native_stage_timers_add_up_this_threads_calls_only():
     import threading
 

@@ -83,11 +83,10 @@ class BufferedLayer(DynamicLayer):
         self._set_views()
         return start
 
-    def claim(self, batch: int, heads: int, head_dim: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Room for n new slots that the caller writes itself (the native layers, models/native_forward.py):
-        returns the whole buffers (keys, values) [batch, heads, capacity, head_dim] and the first new slot. The
-        slots count as used from now: write them before any read."""
-        like = torch.empty(batch, heads, n, head_dim)  # shape and dtype only (fp32 on the CPU: the native layers')
+    def claim(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for n new slots that the caller writes itself (the native layers, models/native_forward.py); like
+        [B, heads, n, head_dim] gives their shape and dtype. Returns the whole buffers (keys, values) [B, heads,
+        capacity, head_dim] and the first new slot. The slots count as used from now: write them before any read."""
         start = self._claim(like, like)
         return self._keys, self._values, start
 
@@ -182,11 +181,10 @@ class BufferedCache(DynamicCache):
         """key_states, value_states [B, heads, n, head_dim] -> views [B, heads, length, head_dim]."""
         return self._layer(layer_idx).update(key_states, value_states)
 
-    def claim(self, layer_idx: int, batch: int, heads: int, head_dim: int, n: int
-              ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """BufferedLayer.claim on layer `layer_idx`: its buffers [batch, heads, capacity, head_dim] and the first
-        of n new slots."""
-        return self._layer(layer_idx).claim(batch, heads, head_dim, n)
+    def claim(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """BufferedLayer.claim on layer `layer_idx`: its buffers [B, heads, capacity, head_dim] and the first of the
+        new slots that like [B, heads, n, head_dim] describes."""
+        return self._layer(layer_idx).claim(like)
 
     def place_rows(self, rows: list[tuple[tuple[torch.Tensor, torch.Tensor], ...] | None], width: int) -> None:
         """Become a cache of len(rows) rows and `width` slots from single-row prompts' keys and values

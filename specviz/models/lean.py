@@ -144,18 +144,11 @@ class LeanForward:
         sees = (valid[:, None, :] & causal[None]).to(torch.uint8).contiguous()  # [B, W, L + W]
         hidden = F.embedding(input_ids, self.embed)  # [B, W, hidden]
         cos, sin = self.rotary(hidden, positions)  # [B, W, D] each
-        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         if self.native is not None:
-            hidden, cos, sin = hidden.contiguous(), cos.contiguous(), sin.contiguous()
-            self.native.check(hidden, cos, sin, sees, past)  # before the cache hands out slots
-            buffers = []
-            for i in range(len(self.layers)):
-                keys, values, start = cache.claim(i, B, Hkv, D, W)
-                if start != past:
-                    raise ValueError(f"layer {i} of the cache holds {start} slots, layer 0 {past}")
-                buffers.append((keys, values))
-            self.native.run(hidden, buffers, past, cos, sin, sees)
+            hidden = hidden.contiguous()
+            self.native.run(hidden, cache, past, cos.contiguous(), sin.contiguous(), sees)
             return _rms_norm(hidden[:, -keep:], self.norm, self.eps)
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.norm1, layer.eps1)

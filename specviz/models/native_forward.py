@@ -83,9 +83,9 @@ class NativeLayers:
     def layers(self) -> int:
         return len(self.array)
 
-    def check(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sees: torch.Tensor, past: int) -> None:
-        """ValueError unless a call over hidden [B, W, E] with these tables and mask fits this model (checked before
-        the cache hands out any slot)."""
+    def _check(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sees: torch.Tensor,
+               past: int) -> None:
+        """ValueError unless a call over hidden [B, W, E] with these tables and mask fits this model."""
         B, W, E = hidden.shape
         hidden_size, H, Hkv, D, I = self.shape
         tables = all(t.shape == (B, W, D) and t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
@@ -95,29 +95,33 @@ class NativeLayers:
                              f"{tuple(cos.shape)}, mask {tuple(sees.shape)} does not fit a model of hidden size "
                              f"{hidden_size} and head size {D} after {past} slots")
 
-    def run(self, hidden: torch.Tensor, buffers: list[tuple[torch.Tensor, torch.Tensor]], past: int,
-            cos: torch.Tensor, sin: torch.Tensor, sees: torch.Tensor) -> None:
-        """hidden [B, W, E] fp32 contiguous, updated in place through every layer; buffers: each layer's cache
-        buffers (keys, values) [B, Hkv, capacity, D] fp32 contiguous, the W new slots at past …; cos, sin [B, W, D]
-        contiguous; sees [B, W, past + W] uint8 contiguous (see `check`)."""
-        self.check(hidden, cos, sin, sees, past)
+    def _claim(self, cache, like: torch.Tensor, past: int) -> tuple[list[int], list[int], int]:
+        """Every layer's room for the call's new slots (like [B, Hkv, W, D]) in `cache` (a BufferedCache), each
+        starting at `past` -> the layers' key and value buffer addresses and their one capacity."""
+        keys, values, capacity = [], [], None
+        for i in range(self.layers):
+            k, v, start = cache.claim(i, like)
+            capacity = k.shape[2] if capacity is None else capacity
+            if start != past or k.shape[2] != capacity:  # the cache's layers grow together; the kernel takes one
+                raise ValueError(f"layer {i} of the cache holds {start} of {k.shape[2]} slots, layer 0 {past} of "
+                                 f"{capacity}")
+            keys.append(k.data_ptr())
+            values.append(v.data_ptr())
+        return keys, values, capacity
+
+    def run(self, hidden: torch.Tensor, cache, past: int, cos: torch.Tensor, sin: torch.Tensor,
+            sees: torch.Tensor) -> None:
+        """hidden [B, W, E] fp32 contiguous, updated in place through every layer; cache: the BufferedCache holding
+        `past` slots per layer, whose next W the layers write their keys and values into; cos, sin [B, W, D] fp32
+        contiguous; sees [B, W, past + W] uint8 contiguous. Checked before the cache hands out any slot."""
+        self._check(hidden, cos, sin, sees, past)
         B, W, E = hidden.shape
         _, H, Hkv, D, I = self.shape
-        if len(buffers) != self.layers:
-            raise ValueError(f"{len(buffers)} layers' cache buffers for a model of {self.layers} layers")
-        capacity = buffers[0][0].shape[2]
-        for k, v in buffers:  # one capacity for all: the cache's layers grow together (BufferedCache.claim)
-            if any(t.shape != (B, Hkv, capacity, D) or t.dtype != torch.float32 or not t.is_contiguous()
-                   for t in (k, v)):
-                raise ValueError(f"cache buffers {tuple(k.shape)}, {tuple(v.shape)} do not fit a call of {B} rows "
-                                 f"({Hkv} key heads of {D}, capacity {capacity})")
-        if past + W > capacity:
-            raise ValueError(f"{past} + {W} slots do not fit the cache's capacity of {capacity}")
-        keys = (ctypes.c_void_p * self.layers)(*(k.data_ptr() for k, _ in buffers))
-        values = (ctypes.c_void_p * self.layers)(*(v.data_ptr() for _, v in buffers))
+        keys, values, capacity = self._claim(cache, hidden.new_empty(B, Hkv, W, D), past)
         seconds = _timing.seconds_for(threading.get_ident())
         cpu_kernels.library().specviz_decoder_layers(
-            hidden.data_ptr(), self.array, self.layers, keys, values, capacity, past, cos.data_ptr(), sin.data_ptr(),
+            hidden.data_ptr(), self.array, self.layers, (ctypes.c_void_p * self.layers)(*keys),
+            (ctypes.c_void_p * self.layers)(*values), capacity, past, cos.data_ptr(), sin.data_ptr(),
             sees.data_ptr(), B, W, E, H, Hkv, D, I, self.scaling,
             None if seconds is None else seconds.ctypes.data, torch.get_num_threads())
 

@@ -210,7 +210,11 @@ class CostAware:
     an hour later on the 2-core EPYC; docs/benchmarks.md). So where the choice is close (the best plan expected
     below PLAIN_PROBE_BELOW) and the run has not timed TRUST plain steps of its own, every PLAIN_PROBE_EVERY-th
     iteration is a plain step: at most PLAIN_PROBES per run (batch sizes change as rows finish: each size's plain
-    price then follows the level of the one measured), each losing under half a step where drafting pays."""
+    price then follows the level of the one measured), each losing under half a step where drafting pays.
+
+    The first plan prices γ with the prior α, a guess: it takes the shortest γ expected within PRIOR_HEDGE of the
+    best. A long first draft at a wrong α costs several steps (speech at the prior 0.8: γ = 6, mostly rejected,
+    ~3% of a 61-token clip); a short one at a right α costs under one iteration while α is learned."""
 
     name = "cost"
     EXPLORE_SHARE = 0.03
@@ -218,6 +222,7 @@ class CostAware:
     PLAIN_PROBE_EVERY = 8
     PLAIN_PROBE_BELOW = 1.5
     PLAIN_PROBES = 4
+    PRIOR_HEDGE = 0.1
 
     def __init__(self, gamma: int | None = None, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
         # costs: the run's measurements, written by the driver after each iteration and read here, in the
@@ -256,6 +261,8 @@ class CostAware:
         alphas = [self.acceptance.alphas(seq, self.max_gamma) for seq in rows]
         table = speedups(self.costs, batch, alphas, self.max_gamma)
         gamma = max(range(self.max_gamma + 1), key=lambda g: (table[g], -g))
+        if gamma > 0 and self._on_prior():
+            gamma = min(g for g in range(1, gamma + 1) if table[g] >= (1 - self.PRIOR_HEDGE) * table[gamma])
         if gamma > 0:
             return 0 if self._plain_probe_due(batch, table[gamma]) else gamma
         probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
@@ -272,11 +279,19 @@ class CostAware:
                                 [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys],
                                 lookups, self.max_gamma)
         (kind, gamma), best = max(table.items(), key=lambda item: (item[1], -item[0][1]))
+        if gamma > 0 and self._on_prior():
+            (kind, gamma), best = min(((plan, value) for plan, value in table.items()
+                                       if plan[1] > 0 and value >= (1 - self.PRIOR_HEDGE) * best),
+                                      key=lambda item: (item[0][1], -item[1]))
         if best > 1.0 and self._plain_probe_due(len(keys), best):
             return Plan(0, "")
         if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best):
             return Plan(gamma, kind)
         return Plan(0, "")
+
+    def _on_prior(self) -> bool:
+        """Whether no draft has been examined yet in this run (α is the prior's; see the class's text)."""
+        return not self.acceptance.stats and not any(a.stats for a in self.by_drafter.values())
 
     def _plain_probe_due(self, batch: int, best: float) -> bool:
         """Whether this iteration should be a plain step that prices plain steps (see the class's text)."""

@@ -181,21 +181,23 @@ def test_policy_picks_the_expected_best_gamma():
     assert p.current() == best_gamma(m, 1, alphas)[0] > 3
 
 
-def test_the_first_gamma_hedges_the_prior_and_then_follows_what_is_seen():
-    """Before any draft is examined α is the prior's guess: the shortest γ within PRIOR_HEDGE of the best."""
+def test_the_first_gamma_is_short_while_alpha_is_the_priors_guess():
+    """Before any draft is examined α is the prior's guess: γ at most PRIOR_MAX_GAMMA, the best among those."""
     m = synthetic(t1=0.1, per_token=0.005, draft=0.01)
     prior = [[RunningAcceptance.PRIOR] * MAX_GAMMA]
     table = speedups(m, 1, prior, MAX_GAMMA)
-    best = best_gamma(m, 1, prior)[0]
-    hedged = min(g for g in range(1, best + 1) if table[g] >= (1 - CostAware.PRIOR_HEDGE) * table[best])
+    cap = CostAware.PRIOR_MAX_GAMMA
+    assert best_gamma(m, 1, prior)[0] > cap  # e.g. speech drafted γ = 6 at the prior and lost it
     p = CostAware(costs=m)
-    assert 1 <= p.current() == hedged < best  # e.g. speech drafted γ = 6 at the prior and lost it
+    assert p.current() == max(range(1, cap + 1), key=lambda g: table[g]) == cap
     for _ in range(40):
         p.update(feedback(p.current(), {0: [0.9] * p.current()}))
-    assert p.current() == best_gamma(m, 1, [p.acceptance.alphas(None, MAX_GAMMA)])[0] > hedged
-    priced = CostAware(costs=m)  # the same hedge where the policy also names who drafts
-    plan = priced.plan([0], [0])
-    assert plan.kind == "model" and plan.gamma == hedged
+    assert p.current() == best_gamma(m, 1, [p.acceptance.alphas(None, MAX_GAMMA)])[0] > cap
+    priced = CostAware(costs=m)  # the same cap where the policy also names who drafts
+    assert priced.plan([0], [0]) == Plan(cap, "model")
+    short = synthetic(t1=0.1, per_token=0.05, draft=0.01)  # the best γ at the prior is within the cap: kept
+    best = best_gamma(short, 1, prior)[0]
+    assert 0 < best <= cap and CostAware(costs=short).current() == best
 
 
 def test_policy_steps_plainly_and_probes_by_expected_loss_where_nothing_pays():

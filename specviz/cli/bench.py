@@ -235,6 +235,92 @@ def cmd_bench_verify(args: argparse.Namespace) -> int:
 
 
 
+def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
+    """specviz and llama.cpp on the same GGUF files, side by side in one process (specviz/bench/llama_cpp.py):
+    each model's prefill and M-token calls, then greedy decoding (target alone, speculation) per article."""
+    import statistics
+
+    import torch
+
+    from specviz.bench import llama_cpp
+    from specviz.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specviz.text.prompts import max_prompt_tokens, summarization_prompt
+
+    if args.draft != "default" or args.target != "default":
+        raise InputError("bench-llama-cpp reads the embedded pair's own GGUF files: leave --draft/--target as default")
+    articles = common.articles(args)
+    cfg = common.config(args, TEXT)
+    if not cfg.sampling.greedy:
+        raise InputError("bench-llama-cpp compares greedy decoding (its speculative loop keeps the argmax): "
+                         "leave --temperature at 0")
+    pair = common.load_text(args)
+    threads = torch.get_num_threads()
+    limit = max_prompt_tokens(32768, cfg.max_new_tokens)
+    prompts = [(label, summarization_prompt(pair.tokenizer, text, limit)) for label, text in articles]
+    context = max(len(p) for _, p in prompts) + cfg.max_new_tokens + max(args.gammas + args.tokens) + 16
+    sides = {role: llama_cpp.LlamaSide(llama_cpp.load_llama(llama_cpp.embedded_gguf(name), threads, context))
+             for role, name in (("target", DEFAULT_TARGET), ("draft", DEFAULT_DRAFT))}
+    label, prompt = prompts[0]
+    steps = {}
+    for role in tqdm(("target", "draft"), desc="bench-llama-cpp calls", unit="model", file=sys.stderr):
+        model = pair.target if role == "target" else pair.draft
+        steps[role] = llama_cpp.step_costs(model, pair.vocab_size, sides[role], prompt[:-1], args.tokens,
+                                           args.repeat)
+    print(f"calls after {label}'s prompt ({len(prompt) - 1} tokens): ms per call scoring M tokens (× its 1-token call)")
+    print(f"{'model':6s} {'engine':9s} {'prefill tok/s':>13s} " + " ".join(f"{m:>12d}" for m in args.tokens))
+    for role, r in steps.items():
+        for engine in ("specviz", "llama_cpp"):
+            cells = " ".join(f"{1e3 * s[engine + '_s']:6.1f} {s[engine + '_ratio']:4.2f}×" for s in r["steps"])
+            print(f"{role:6s} {engine:9s} {r['prompt_tokens'] / r['prefill_s'][engine]:13.0f} {cells}")
+    for engine in ("specviz", "llama_cpp"):
+        ratio = steps["draft"]["steps"][0][engine + "_s"] / steps["target"]["steps"][0][engine + "_s"]
+        print(f"draft / target, one token, {engine}: {ratio:.3f}")
+
+    decoding = {}
+    for label, prompt in tqdm(prompts, desc="bench-llama-cpp decoding", unit="article", file=sys.stderr):
+        runs = llama_cpp.decode_rounds(pair, sides["target"], sides["draft"], label, prompt, cfg, args.gammas,
+                                       args.rounds)
+        decoding[label] = runs
+    print(f"\ngreedy, {cfg.max_new_tokens} new tokens at most, median of {args.rounds} interleaved rounds: "
+          "speedup over the same engine's target alone (end to end / decoding only)")
+    print(f"{'input':16s} {'run':28s} {'tok/s':>6s} {'decode tok/s':>12s} {'speedup':>15s} {'kept/drafted':>12s} "
+          f"{'= own target-only':>17s}")
+    table = {}
+    for label, runs in decoding.items():
+        rows = []
+        for name, decoded in runs.items():
+            engine = name.split(" ")[0]
+            reference = runs[f"{engine} target-only"]
+            end = [d.tokens_per_s / r.tokens_per_s for d, r in zip(decoded, reference)]
+            dec = [d.decode_tokens_per_s / r.decode_tokens_per_s for d, r in zip(decoded, reference)]
+            median = sorted(decoded, key=lambda d: d.decode_s)[len(decoded) // 2]
+            row = {"run": name, "tokens_per_s": statistics.median(d.tokens_per_s for d in decoded),
+                   "decode_tokens_per_s": statistics.median(d.decode_tokens_per_s for d in decoded),
+                   "speedup_end_to_end": statistics.median(end), "speedup_decode": statistics.median(dec),
+                   "new_tokens": len(median.tokens), "iterations": median.iterations,
+                   "accepted": median.accepted, "drafted": median.drafted,
+                   "equals_target_only": all(d.tokens == reference[0].tokens for d in decoded)}
+            rows.append(row)
+            kept = f"{row['accepted']}/{row['drafted']}" if row["drafted"] else "-"
+            print(f"{label[:16]:16s} {name:28s} {row['tokens_per_s']:6.2f} {row['decode_tokens_per_s']:12.2f} "
+                  f"{row['speedup_end_to_end']:6.2f}×/{row['speedup_decode']:5.2f}× {kept:>12s} "
+                  f"{'yes' if row['equals_target_only'] else 'no':>17s}")
+        table[label] = rows
+    from importlib.metadata import version
+
+    peer = f"llama-cpp-python {version('llama-cpp-python')}, {threads} threads"
+    print(f"\n{pair.draft_name} → {pair.target_name}; {peer}; {machine.describe()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": machine.describe(), "peer": peer, "models": f"{pair.draft_name} → {pair.target_name}",
+            "repeat": args.repeat, "rounds": args.rounds, "config": cfg.to_dict(),
+            "statistic": "calls: median of `repeat` after 2 warm-ups, the engines alternating; decoding: medians of "
+                         "`rounds` interleaved rounds after one untimed specviz run",
+            "calls": steps, "decoding": table}, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """The bench-* subcommands."""
     b = sub.add_parser("bench-speech-draft", help="acceptance and speed of self-speculative Whisper drafts by layer set")
@@ -268,6 +354,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bd.add_argument("--repeat", type=int, default=9, help="timed draft steps per size")
     bd.add_argument("--json", metavar="FILE")
     bd.set_defaults(func=cmd_bench_drafts)
+    bl = sub.add_parser("bench-llama-cpp", help="specviz beside llama.cpp on the same GGUF files: calls and greedy "
+                        "decoding, side by side (needs llama-cpp-python, a benchmark-only package)")
+    common.add_common(bl)
+    bl.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    bl.add_argument("--gammas", type=int, nargs="+", default=[2, 4], help="llama.cpp speculation's constant γs")
+    bl.add_argument("--repeat", type=int, default=7, help="timed calls per M and engine")
+    bl.add_argument("--rounds", type=int, default=3, help="interleaved decoding rounds per article")
+    bl.add_argument("--json", metavar="FILE")
+    bl.set_defaults(func=cmd_bench_llama_cpp)
     bv = sub.add_parser("bench-verify", help="µs per verification call: modes × paths × V × γ × B × dtype")
     bv.add_argument("--device", default=None)
     bv.add_argument("--vocab", type=int, nargs="+", default=[51_865, 151_936, 256_000])

@@ -212,9 +212,10 @@ class CostAware:
     iteration is a plain step: at most PLAIN_PROBES per run (batch sizes change as rows finish: each size's plain
     price then follows the level of the one measured), each losing under half a step where drafting pays.
 
-    The first plan prices γ with the prior α, a guess: it takes the shortest γ expected within PRIOR_HEDGE of the
-    best. A long first draft at a wrong α costs several steps (speech at the prior 0.8: γ = 6, mostly rejected,
-    ~3% of a 61-token clip); a short one at a right α costs under one iteration while α is learned."""
+    The first plan prices γ with the prior α, a guess, so its γ is at most PRIOR_MAX_GAMMA: a long first draft at
+    a wrong α costs several steps (speech at the prior 0.8 drafted γ = 6, mostly rejected: ~3% of a 61-token
+    clip), a short one at a right α under one iteration. Not shorter: a first γ of 1 teaches α at one position
+    only, and the γs priced from it then swing (7, then 4 on news_water: 7% slower than starting at 3)."""
 
     name = "cost"
     EXPLORE_SHARE = 0.03
@@ -222,7 +223,7 @@ class CostAware:
     PLAIN_PROBE_EVERY = 8
     PLAIN_PROBE_BELOW = 1.5
     PLAIN_PROBES = 4
-    PRIOR_HEDGE = 0.1
+    PRIOR_MAX_GAMMA = 3
 
     def __init__(self, gamma: int | None = None, costs: CostModel | None = None, max_gamma: int = MAX_GAMMA):
         # costs: the run's measurements, written by the driver after each iteration and read here, in the
@@ -261,8 +262,8 @@ class CostAware:
         alphas = [self.acceptance.alphas(seq, self.max_gamma) for seq in rows]
         table = speedups(self.costs, batch, alphas, self.max_gamma)
         gamma = max(range(self.max_gamma + 1), key=lambda g: (table[g], -g))
-        if gamma > 0 and self._on_prior():
-            gamma = min(g for g in range(1, gamma + 1) if table[g] >= (1 - self.PRIOR_HEDGE) * table[gamma])
+        if gamma > self.PRIOR_MAX_GAMMA and self._on_prior():
+            gamma = max(range(1, self.PRIOR_MAX_GAMMA + 1), key=lambda g: (table[g], -g))
         if gamma > 0:
             return 0 if self._plain_probe_due(batch, table[gamma]) else gamma
         probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
@@ -279,10 +280,9 @@ class CostAware:
                                 [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys],
                                 lookups, self.max_gamma)
         (kind, gamma), best = max(table.items(), key=lambda item: (item[1], -item[0][1]))
-        if gamma > 0 and self._on_prior():
-            (kind, gamma), best = min(((plan, value) for plan, value in table.items()
-                                       if plan[1] > 0 and value >= (1 - self.PRIOR_HEDGE) * best),
-                                      key=lambda item: (item[0][1], -item[1]))
+        if gamma > self.PRIOR_MAX_GAMMA and self._on_prior():
+            (kind, gamma), best = max(((plan, value) for plan, value in table.items()
+                                       if 0 < plan[1] <= self.PRIOR_MAX_GAMMA), key=lambda item: (item[1], -item[0][1]))
         if best > 1.0 and self._plain_probe_due(len(keys), best):
             return Plan(0, "")
         if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best):

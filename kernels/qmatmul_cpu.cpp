@@ -373,10 +373,45 @@ struct A8Out {  // where a tile's results go
     }
 };
 
+// A group's scales for the eight columns of a block, one fp32 lane each. Two layouts, the same numbers:
+//   Flat: fp32 per group, scale / minv [N8, G, 8] (any q4 or q8 weight).
+//   Super: the GGUF k-quants' own two levels, an integer per group times an fp32 per 256 elements: q4 (Q4_K)
+//   sub [N8, G, 2, 8] uint8 (scale, minimum) and sup [N8, G/8, 2, 8] fp32 (d, dmin); q8 (Q6_K, groups of 16)
+//   sub [N8, G, 8] int8 and sup [N8, G/16, 8]. float(integer) · fp32 is the flat scale exactly (at most 17 and
+//   19 significant bits; checked when packing), so both give the same bits; Super reads 2.5 fewer bytes per 32
+//   weights (q4: 4.75 bits a weight instead of 6; q8 from Q6_K: 8.6 instead of 10).
+struct FlatQ4 {
+    const float* scale; const float* minv; int64_t G;
+    __m256 s(int64_t blk, int64_t g) const { return _mm256_loadu_ps(scale + (blk * G + g) * 8); }
+    __m256 m(int64_t blk, int64_t g) const { return _mm256_loadu_ps(minv + (blk * G + g) * 8); }
+};
+struct SuperQ4 {
+    const uint8_t* sub; const float* sup; int64_t G;
+    __m256 part(int64_t blk, int64_t g, int which) const {
+        const __m128i ints = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + ((blk * G + g) * 2 + which) * 8));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ints)),
+                             _mm256_loadu_ps(sup + ((blk * (G / 8) + g / 8) * 2 + which) * 8));
+    }
+    __m256 s(int64_t blk, int64_t g) const { return part(blk, g, 0); }
+    __m256 m(int64_t blk, int64_t g) const { return part(blk, g, 1); }
+};
+struct FlatQ8 {
+    const float* scale; int64_t G;
+    __m256 s(int64_t blk, int64_t g) const { return _mm256_loadu_ps(scale + (blk * G + g) * 8); }
+};
+struct SuperQ8 {  // groups of 16 (Q6_K)
+    const int8_t* sub; const float* sup; int64_t G;
+    __m256 s(int64_t blk, int64_t g) const {
+        const __m128i ints = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + (blk * G + g) * 8));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ints)),
+                             _mm256_loadu_ps(sup + (blk * (G / 16) + g / 16) * 8));
+    }
+};
+
 // MT rows × NT blocks of eight columns, rows m0 …, blocks b0 …
-template <int MT, int NT>
-void q4a8_tile(const uint8_t* q, const float* scale, const float* minv, int64_t K, const Act& a, int64_t m0,
-               int64_t b0, const A8Out& out) {
+template <int MT, int NT, typename Scales>
+void q4a8_tile(const uint8_t* q, const Scales& scales, int64_t K, const Act& a, int64_t m0, int64_t b0,
+               const A8Out& out) {
     const int64_t G = K / 32;
     const __m256i nibble = _mm256_set1_epi8(15);
     __m256 acc[MT][NT];
@@ -404,8 +439,8 @@ void q4a8_tile(const uint8_t* q, const float* scale, const float* minv, int64_t 
         }
         __m256 sw[NT], mw[NT];
         for (int n = 0; n < NT; ++n) {
-            sw[n] = _mm256_loadu_ps(scale + ((b0 + n) * G + g) * 8);
-            mw[n] = _mm256_loadu_ps(minv + ((b0 + n) * G + g) * 8);
+            sw[n] = scales.s(b0 + n, g);
+            mw[n] = scales.m(b0 + n, g);
         }
         for (int m = 0; m < MT; ++m) {
             const __m256 sx = _mm256_set1_ps(a.d[(m0 + m) * G + g]), xs = _mm256_set1_ps(a.sum[(m0 + m) * G + g]);
@@ -419,8 +454,8 @@ void q4a8_tile(const uint8_t* q, const float* scale, const float* minv, int64_t 
         for (int n = 0; n < NT; ++n) out.store(m0 + m, b0 + n, acc[m][n]);
 }
 
-template <int MT, int NT, int GROUP>
-void q8a8_tile(const uint8_t* q, const float* scale, int64_t K, const Act& a, int64_t m0, int64_t b0,
+template <int MT, int NT, int GROUP, typename Scales>
+void q8a8_tile(const uint8_t* q, const Scales& scales, int64_t K, const Act& a, int64_t m0, int64_t b0,
                const A8Out& out) {
     const int64_t G = K / GROUP, G32 = K / 32;
     __m256 acc[MT][NT];
@@ -445,7 +480,7 @@ void q8a8_tile(const uint8_t* q, const float* scale, int64_t K, const Act& a, in
             }
         }
         __m256 sw[NT];
-        for (int n = 0; n < NT; ++n) sw[n] = _mm256_loadu_ps(scale + ((b0 + n) * G + g) * 8);
+        for (int n = 0; n < NT; ++n) sw[n] = scales.s(b0 + n, g);
         for (int m = 0; m < MT; ++m) {
             const int32_t* halves = a.csum.data() + (m0 + m) * (K / 16) + g * (GROUP / 16);
             const __m256i off = _mm256_set1_epi32(q8_offset(GROUP == 16 ? halves[0] : halves[0] + halves[1]));
@@ -505,16 +540,30 @@ void a8_matmul(int64_t M, int64_t N8, int nthreads, const Tile& tile) {
     }
 }
 
-template <int GROUP>
-void q8a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t N, const float* bias,
+template <int GROUP, typename Scales>
+void q8a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const Scales& scales, int64_t N, const float* bias,
           float* y, int nthreads) {
     Act a;
     quantize(x, M, K, nthreads, a);
     const A8Out out{y, N, bias};
     auto tile = [&](auto mt, auto nt, int64_t m, int64_t b) {
-        q8a8_tile<decltype(mt)::value, decltype(nt)::value, GROUP>(q, scale, K, a, m, b, out);
+        q8a8_tile<decltype(mt)::value, decltype(nt)::value, GROUP>(q, scales, K, a, m, b, out);
     };
     if (M <= A8_FEW_ROWS) a8_matmul<Q8_FEW.rows, Q8_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
+    else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
+}
+
+template <typename Scales>
+void q4a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const Scales& scales, int64_t N, const float* bias,
+          float* y, int nthreads) {
+    Act a;
+    quantize(x, M, K, nthreads, a);
+    const A8Out out{y, N, bias};
+    auto tile = [&](auto mt, auto nt, int64_t m, int64_t b) {
+        q4a8_tile<decltype(mt)::value, decltype(nt)::value>(q, scales, K, a, m, b, out);
+    };
+    if (M <= A8_FEW_ROWS) a8_matmul<Q4_FEW.rows, Q4_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
+    else if (M <= A8_MID_ROWS) a8_matmul<Q4_MID.rows, Q4_MID.blocks>(M, (N + 7) / 8, nthreads, tile);
     else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
 }
 #endif
@@ -616,21 +665,25 @@ int specviz_has_a8() {
 // columns), bias [N] or null, y [M, N]. K a multiple of 64 (q4) or 32 (q8); any M. Only where specviz_has_a8().
 void specviz_q4a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
                          const float* minv, int64_t N, const float* bias, float* y, int nthreads) {
-    Act a;
-    quantize(x, M, K, nthreads, a);
-    const A8Out out{y, N, bias};
-    auto tile = [&](auto mt, auto nt, int64_t m, int64_t b) {
-        q4a8_tile<decltype(mt)::value, decltype(nt)::value>(q, scale, minv, K, a, m, b, out);
-    };
-    if (M <= A8_FEW_ROWS) a8_matmul<Q4_FEW.rows, Q4_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
-    else if (M <= A8_MID_ROWS) a8_matmul<Q4_MID.rows, Q4_MID.blocks>(M, (N + 7) / 8, nthreads, tile);
-    else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
+    q4a8(x, M, K, q, FlatQ4{scale, minv, K / 32}, N, bias, y, nthreads);
 }
 
 void specviz_q8a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t group,
                          int64_t N, const float* bias, float* y, int nthreads) {
-    if (group == 16) q8a8<16>(x, M, K, q, scale, N, bias, y, nthreads);
-    else q8a8<32>(x, M, K, q, scale, N, bias, y, nthreads);
+    if (group == 16) q8a8<16>(x, M, K, q, FlatQ8{scale, K / 16}, N, bias, y, nthreads);
+    else q8a8<32>(x, M, K, q, FlatQ8{scale, K / 32}, N, bias, y, nthreads);
+}
+
+// The same, on the k-quants' two-level scales (SuperQ4 / SuperQ8 above; specviz.models.cpu_kernels.
+// super_interleave): the same bits as the flat ones. K a multiple of 256.
+void specviz_q4a8_super_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint8_t* sub,
+                               const float* sup, int64_t N, const float* bias, float* y, int nthreads) {
+    q4a8(x, M, K, q, SuperQ4{sub, sup, K / 32}, N, bias, y, nthreads);
+}
+
+void specviz_q8a8_super_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const int8_t* sub,
+                               const float* sup, int64_t N, const float* bias, float* y, int nthreads) {
+    q8a8<16>(x, M, K, q, SuperQ8{sub, sup, K / 16}, N, bias, y, nthreads);
 }
 #endif
 

@@ -15,7 +15,7 @@ from specviz.models.packed import PackedLinear, apply_packed
 from specviz.text.source import CausalLMDecoder
 
 from conftest import VOCAB, tiny_qwen
-from test_packed import random_packed
+from test_packed import flat_twin, random_packed, two_level_packed
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available() or not cpu_kernels.has_attention() or not cpu_kernels.has_int8_activations(),
@@ -132,6 +132,33 @@ def test_the_native_layers_give_a_row_the_same_bits_alone_or_in_a_ragged_batch(f
     assert torch.equal(first[0, -1], batch[0][1, -1])  # fed one token beside rows of 3 and 0
     assert torch.equal(second[0], batch[1][1])
     assert torch.equal(third[0], batch[2][1])  # after the select, beside a row of one
+
+
+@pytest.mark.parametrize("formats", [["q4"], ["q4", "q8"]], ids=["fused", "unfused"])
+def test_two_level_scales_give_both_paths_the_flat_scales_bits(formats):
+    """A model whose every layer holds the k-quants' two levels (Q4_K, Q6_K; hidden sizes a multiple of 256)
+    against its twin on the flat scales: the same logits, bit for bit, through the torch path and the native one."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def model(flat: bool):
+        torch.manual_seed(0)
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                             tie_word_embeddings=True, eos_token_id=VOCAB - 1)
+        m = Qwen2ForCausalLM(config).float().eval()
+        linears = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
+        blocks = {}
+        for i, name in enumerate(linears):
+            n, k = m.get_submodule(name).weight.shape
+            p = two_level_packed(formats[i % len(formats)], n, k, seed=200 + i)
+            blocks[name] = flat_twin(p) if flat else p
+        return apply_packed(m, blocks, int8_activations=True)
+
+    two, flat = model(False), model(True)
+    assert any(l.sub is not None for l in two.modules() if isinstance(l, PackedLinear))
+    for path in ("torch", "native"):
+        for a, b in zip(decode_steps(two, path), decode_steps(flat, path)):
+            assert torch.equal(a, b), path
 
 
 def test_a_native_call_that_does_not_fit_says_so_and_takes_no_cache_slot():

@@ -27,9 +27,9 @@ from torch import nn
 from specviz.models import cpu_kernels, lean
 from specviz.native import _compiler
 from specviz.config import SamplingConfig, SpecConfig
-from specviz.models.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
+from specviz.models.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack, two_level
 from specviz.models.loading import ModelPair
-from specviz.models.packed import PackedLinear, PackingError, apply_packed, describe
+from specviz.models.packed import PackedLinear, PackingError, apply_packed, describe, fuse
 from specviz.models.quant import q4_blocks, quantize_draft_q4
 from specviz.text.source import TextSource, prompt_sequences
 from specviz.figures.report import summary_markdown
@@ -81,6 +81,28 @@ def random_packed(kind: str, n: int, k: int, seed: int, group: int = 32) -> Pack
                   torch.rand(n, k // group, generator=g) * 0.02, None, "Q6_K" if group == 16 else "Q8_0")
 
 
+def two_level_packed(kind: str, n: int, k: int, seed: int) -> Packed:
+    """A random weight with the k-quants' two-level scales (k a multiple of 256): q4 as Q4_K (6-bit integers per
+    group of 32 times an fp16 per 256, for scales and minimums), q8 as Q6_K (int8 per 16 times an fp16 per 256)."""
+    g = torch.Generator().manual_seed(seed)
+    fp16 = lambda *shape: (torch.rand(*shape, generator=g) * 1e-3 + 1e-4).half().float()  # noqa: E731
+    if kind == "q4":
+        sub = torch.randint(0, 64, (n, k // 32, 2), generator=g, dtype=torch.uint8)
+        sup = fp16(n, k // 256, 2)
+        flat = (sub.float().reshape(n, -1, 8, 2) * sup[:, :, None, :]).reshape(n, -1, 2)
+        return Packed("q4", torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8),
+                      flat[..., 0].contiguous(), flat[..., 1].contiguous(), "Q4_K", sub, sup)
+    sub = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+    sup = fp16(n, k // 256)
+    flat = (sub.float().reshape(n, -1, 16) * sup[:, :, None]).reshape(n, -1)
+    return Packed("q8", torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8), flat, None, "Q6_K", sub, sup)
+
+
+def flat_twin(p: Packed) -> Packed:
+    """The same weight with its flat fp32 scales only."""
+    return Packed(p.kind, p.q, p.scale, p.minv, p.source)
+
+
 KERNEL_CASES = [("q4", 32), ("q8", 16), ("q8", 32)]
 A8 = pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.has_int8_activations(),
                         reason="the 8-bit-activation kernels need the AVX2 build")
@@ -121,6 +143,53 @@ def test_int8_activation_kernel_equals_its_float64_reference_and_stays_near_fp32
     exact = PackedLinear(packed, bias)(x)
     relative = float((got - exact).norm() / exact.norm())
     assert relative < 0.02, f"8-bit activations moved the outputs by {relative:.2%} of their norm"
+
+
+@pytest.mark.parametrize("kind", [QT.Q4_K, QT.Q6_K], ids=lambda k: k.name)
+def test_the_k_quants_keep_their_two_level_scales_and_they_give_the_flat_ones_exactly(kind):
+    raw = random_blocks(kind, 24, 2, seed=int(kind))
+    p = pack(raw, kind, 24)
+    assert p.sub is not None and p.sup is not None
+    assert two_level(p) is p  # the product of the two levels is the flat scale, bit for bit
+    broken = Packed(p.kind, p.q, p.scale, p.minv, p.source, p.sub, p.sup * 1.001)
+    assert two_level(broken).sub is None  # a product that misses: the flat scales alone
+
+
+@A8
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_two_level_scales_give_the_flat_scales_bits_from_fewer_bytes(kind, tmp_path):
+    """The 8-bit-activation kernels on the k-quants' own two levels: the same outputs, bit for bit, at every
+    number of rows (every tile shape), from fewer bytes; the interleaved layout gives the row-major blocks back,
+    selected rows compute those rows' outputs, fused layers their parts', and the packed file keeps both levels."""
+    from specviz.models import packed as packed_module
+
+    p = two_level_packed(kind, 37, 512, seed=5)
+    bias = torch.randn(37)
+    two, flat = PackedLinear(p, bias, True), PackedLinear(flat_twin(p), bias, True)
+    assert two.scale is None and two.sub is not None and flat.sub is None
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 40):
+        x = torch.randn(m, 512)
+        assert torch.equal(two(x), flat(x)), f"{m} rows"
+    per_block = 512 * 4 * (1 if kind == "q4" else 2)  # one block of 8 columns: q4 half a byte, q8 a byte a weight
+    assert two.nbytes == 5 * (per_block + (512 // 32 * 2 * 8 + 2 * 2 * 8 * 4 if kind == "q4" else 512 // 16 * 8 + 2 * 8 * 4))
+    assert flat.nbytes == 5 * (per_block + (512 // 32 * 2 * 8 * 4 if kind == "q4" else 512 // 16 * 8 * 4))
+    back = two.packed()
+    for name in ("q", "scale", "minv", "sub", "sup"):
+        want, got = getattr(p, name), getattr(back, name)
+        assert (want is None and got is None) or torch.equal(want, got), name
+    ids = torch.tensor([36, 0, 9, 8, 17, 3, 30, 31, 2])
+    x = torch.randn(6, 512)
+    assert torch.equal(two.select_rows(ids)(x), two(x)[:, ids])
+    other = PackedLinear(two_level_packed(kind, 16, 512, seed=6), None, True)
+    first = PackedLinear(two_level_packed(kind, 40, 512, seed=7), None, True)  # fused parts: whole blocks of 8
+    parts = [first(x), other(x)]
+    fused = fuse([first, other])
+    assert fused is not None and fused.sub is not None and torch.equal(fused(x), torch.cat(parts, dim=1))
+    assert torch.equal(first(x), parts[0]) and torch.equal(other(x), parts[1])  # the parts now read the fused storage
+    assert fuse([PackedLinear(p, None, True), PackedLinear(flat_twin(p), None, True)]) is None  # two layouts
+    packed_module.save_packed({"w": p}, tmp_path / "packed.safetensors")
+    loaded = packed_module.load_packed(tmp_path / "packed.safetensors")["w"]
+    assert torch.equal(loaded.sub, p.sub) and torch.equal(loaded.sup, p.sup)
 
 
 @A8
@@ -431,7 +500,7 @@ def test_packed_files_of_another_version_are_not_trusted(tmp_path):
     packed_module.save_packed(blocks, path)
     assert packed_module.packed_current(path)
     assert torch.equal(packed_module.load_packed(path)["lm_head"].q, blocks["lm_head"].q)
-    (tmp_path / "old.safetensors").write_bytes(path.read_bytes().replace(b'\\"version\\": 2', b'\\"version\\": 1'))
+    (tmp_path / "old.safetensors").write_bytes(path.read_bytes().replace(b'\\"version\\": 3', b'\\"version\\": 2'))
     assert not packed_module.packed_current(tmp_path / "old.safetensors")
     assert packed_module.load_packed(tmp_path / "old.safetensors") is None
     (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[:40])  # a write killed half way

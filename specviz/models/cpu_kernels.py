@@ -97,6 +97,27 @@ def q8_interleave(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     return qi, si
 
 
+def super_interleave(sub: torch.Tensor, sup: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k-quants' two-level scales (gguf_pack.Packed.sub / .sup) in the kernels' layout: sub [N, G, *parts]
+    -> [N8, G, *parts, 8], sup [N, S, *parts] -> [N8, S, *parts, 8] (column n of block b in lane n % 8; zero past N).
+    q4: parts (scale, minimum); q8: none."""
+    def blocks(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[0]
+        padded = torch.zeros((-(-n // 8) * 8, *t.shape[1:]), dtype=t.dtype)
+        padded[:n] = t
+        rest = list(range(2, t.dim() + 1))
+        return padded.reshape(-1, 8, *t.shape[1:]).permute(0, *rest, 1).contiguous()
+    return blocks(sub), blocks(sup)
+
+
+def super_deinterleave(subi: torch.Tensor, supi: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of super_interleave for the first n columns."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        order = (0, t.dim() - 1, *range(1, t.dim() - 1))
+        return t.permute(*order).reshape(-1, *t.shape[1:-1])[:n].contiguous()
+    return rows(subi), rows(supi)
+
+
 def _columns(interleaved: torch.Tensor, n: int) -> torch.Tensor:  # [N8, G, 8] -> [n, G]
     return interleaved.transpose(1, 2).reshape(-1, interleaved.shape[1])[:n].contiguous()
 
@@ -126,6 +147,27 @@ def q4a8_matmul(x: torch.Tensor, qi: torch.Tensor, si: torch.Tensor, mi: torch.T
     y = torch.empty((M, n), dtype=torch.float32)
     library().specviz_q4a8_matmul(x.data_ptr(), M, K, qi.data_ptr(), si.data_ptr(), mi.data_ptr(), n, _ptr(bias),
                                   y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def q4a8_super_matmul(x: torch.Tensor, qi: torch.Tensor, subi: torch.Tensor, supi: torch.Tensor, n: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """As q4a8_matmul on the two-level scales (super_interleave's subi uint8 [N8, K/32, 2, 8], supi fp32
+    [N8, K/256, 2, 8]; K a multiple of 256): the same bits."""
+    M, K = x.shape
+    y = torch.empty((M, n), dtype=torch.float32)
+    library().specviz_q4a8_super_matmul(x.data_ptr(), M, K, qi.data_ptr(), subi.data_ptr(), supi.data_ptr(), n,
+                                        _ptr(bias), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def q8a8_super_matmul(x: torch.Tensor, qi: torch.Tensor, subi: torch.Tensor, supi: torch.Tensor, n: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """As q8a8_matmul (groups of 16) on the two-level scales (subi int8 [N8, K/16, 8], supi fp32 [N8, K/256, 8])."""
+    M, K = x.shape
+    y = torch.empty((M, n), dtype=torch.float32)
+    library().specviz_q8a8_super_matmul(x.data_ptr(), M, K, qi.data_ptr(), subi.data_ptr(), supi.data_ptr(), n,
+                                        _ptr(bias), y.data_ptr(), torch.get_num_threads())
     return y
 
 

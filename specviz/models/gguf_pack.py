@@ -11,6 +11,10 @@ Each maps to one of two formats the kernels read (kernels/qmatmul_cpu.cpp):
   offsets (Q6_K's -32, Q5_0's -16) are folded into q, which stays within int8.
 
 Every weight is therefore the same number llama.cpp's dequantization gives, up to the final fp32 multiply.
+
+Q4_K and Q6_K also keep their two levels as they are (`sub`, `sup`): an integer per group and an fp32 per 256
+elements, whose product is the flat scale exactly (checked here). The 8-bit-activation kernels read those,
+2.5 bytes fewer per 32 weights than the flat fp32 scales (kernels/qmatmul_cpu.cpp, SuperQ4 / SuperQ8).
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ class UnsupportedBlocks(ValueError):
 @dataclass(frozen=True)
 class Packed:
     """One weight [N, K] in a kernel format: q4 (q uint8 [N, K/2], scale and minv fp32 [N, K/32]) or q8
-    (q int8 [N, K], scale fp32 [N, K/G], minv None)."""
+    (q int8 [N, K], scale fp32 [N, K/G], minv None). From Q4_K and Q6_K also the two levels those scales are made
+    of: q4 sub uint8 [N, K/32, 2] (scale, minimum) and sup fp32 [N, K/256, 2] (d, dmin), scale = sub[..., 0] ·
+    sup[..., 0] per group (minv likewise with 1); q8 sub int8 [N, K/16], sup fp32 [N, K/256]. None otherwise."""
 
     kind: str  # "q4" or "q8"
     q: torch.Tensor
     scale: torch.Tensor
     minv: torch.Tensor | None
     source: str  # the GGUF block type, e.g. "Q4_K"
+    sub: torch.Tensor | None = None
+    sup: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -44,6 +52,7 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the weight and its flat scales (what the fp32-activation kernels read)."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv) if t is not None)
 
 
@@ -57,8 +66,9 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """blocks uint8 [N, nb, 144] -> q [N, nb*8, 32] (0..15), scale and min [N, nb*8]."""
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """blocks uint8 [N, nb, 144] -> q [N, nb*8, 32] (0..15), scale and min [N, nb*8], and their two levels:
+    sub uint8 [N, nb*8, 2] (scale, min), sup fp32 [N, nb, 2] (d, dmin)."""
     d = _f16(blocks[..., 0:2])
     dmin = _f16(blocks[..., 2:4])
     s = blocks[..., 4:16].astype(np.uint8)
@@ -75,13 +85,17 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scale = d[..., None] * sc.astype(np.float32)
     minv = dmin[..., None] * mn.astype(np.float32)
     n = blocks.shape[0]
-    return q.reshape(n, -1, 32), scale.reshape(n, -1), minv.reshape(n, -1)
+    sub = np.stack([sc, mn], axis=-1).reshape(n, -1, 2)
+    sup = np.stack([d, dmin], axis=-1)
+    return q.reshape(n, -1, 32), scale.reshape(n, -1), minv.reshape(n, -1), sub, sup
 
 
-def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """blocks uint8 [N, nb, 210] -> q int8 [N, nb*256] (q - 32), scale [N, nb*16]."""
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """blocks uint8 [N, nb, 210] -> q int8 [N, nb*256] (q - 32), scale [N, nb*16], and its two levels: sub int8
+    [N, nb*16], sup fp32 [N, nb]."""
     ql, qh = blocks[..., 0:128], blocks[..., 128:192]
-    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    sub = blocks[..., 192:208].copy().view(np.int8)
+    sc = sub.astype(np.float32)
     d = _f16(blocks[..., 208:210])
     q = np.empty((*blocks.shape[:2], 256), dtype=np.int16)
     for half in range(2):
@@ -93,7 +107,7 @@ def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         q[..., base + 64: base + 96] = (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
         q[..., base + 96: base + 128] = (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
     n = blocks.shape[0]
-    return (q - 32).astype(np.int8).reshape(n, -1), (d[..., None] * sc).reshape(n, -1)
+    return (q - 32).astype(np.int8).reshape(n, -1), (d[..., None] * sc).reshape(n, -1), sub.reshape(n, -1), d
 
 
 def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -125,14 +139,33 @@ def pack(raw: np.ndarray, kind: QT, rows: int) -> Packed:
     if kind not in _BLOCK:
         raise UnsupportedBlocks(f"GGUF blocks of type {kind.name} have no packed form (supported: {', '.join(SUPPORTED)})")
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, _BLOCK[kind])
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     if kind == QT.Q4_K:
-        q, scale, minv = _q4_k(blocks)
-        return Packed("q4", torch.from_numpy(_pack_nibbles(q).reshape(rows, -1)),
-                      torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(minv)),
-                      kind.name)
-    q, scale = {QT.Q6_K: _q6_k, QT.Q5_0: _q5_0, QT.Q8_0: _q8_0}[kind](blocks)
-    return Packed("q8", torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(scale)),
-                  None, kind.name)
+        q, scale, minv, sub, sup = _q4_k(blocks)
+        return two_level(Packed("q4", t(_pack_nibbles(q).reshape(rows, -1)), t(scale), t(minv), kind.name, t(sub),
+                                t(sup)))
+    if kind == QT.Q6_K:
+        q, scale, sub, sup = _q6_k(blocks)
+        return two_level(Packed("q8", t(q), t(scale), None, kind.name, t(sub), t(sup)))
+    q, scale = {QT.Q5_0: _q5_0, QT.Q8_0: _q8_0}[kind](blocks)
+    return Packed("q8", t(q), t(scale), None, kind.name)
+
+
+def two_level(p: Packed) -> Packed:
+    """p with its two-level scales where they give its flat scales exactly (always, for llama.cpp's own blocks:
+    an fp16 times an integer of at most 8 bits), else without them."""
+    if p.sub is None or p.sup is None:
+        return p
+    if p.kind == "q4":
+        n, groups = p.sub.shape[:2]
+        expand = lambda part: (p.sub[..., part].float().reshape(n, -1, 8)  # noqa: E731
+                               * p.sup[..., part].reshape(n, -1, 1)).reshape(n, groups)
+        exact = torch.equal(expand(0), p.scale) and torch.equal(expand(1), p.minv)
+    else:
+        n, groups = p.sub.shape
+        exact = groups == p.scale.shape[1] and torch.equal(
+            (p.sub.float().reshape(n, -1, 16) * p.sup.reshape(n, -1, 1)).reshape(n, groups), p.scale)
+    return p if exact else Packed(p.kind, p.q, p.scale, p.minv, p.source)
 
 
 def dequantize_reference(packed: Packed) -> torch.Tensor:

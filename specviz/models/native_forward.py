@@ -29,7 +29,8 @@ MATMUL_STAGES = ("qkv", "output", "gate_up", "down")
 
 class _Projection(ctypes.Structure):  # decoder_cpu.cpp's Projection: change both together
     _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("group", ctypes.c_int64)]
+                ("sub", ctypes.c_void_p), ("sup", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("q4", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):  # decoder_cpu.cpp's Layer
@@ -47,9 +48,11 @@ def applies(projections: list[PackedLinear], norms: list[torch.Tensor]) -> bool:
 
 
 def _projection(p: PackedLinear) -> _Projection:
-    group = 32 if p.kind == "q4" else p.in_features // p.scale.shape[1]
-    return _Projection(p.q.data_ptr(), p.scale.data_ptr(), None if p.minv is None else p.minv.data_ptr(),
-                       None if p.bias is None else p.bias.data_ptr(), p.out_features, group)
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    return _Projection(p.q.data_ptr(), ptr(p.scale), ptr(p.minv), ptr(p.sub), ptr(p.sup), ptr(p.bias),
+                       p.out_features, p.in_features // p.scale_groups, int(p.kind == "q4"))
 
 
 class NativeLayers:
@@ -77,7 +80,7 @@ class NativeLayers:
             entry.qkv_parts, entry.gate_up_parts = len(qkv), len(gate_up)
             entry.o, entry.down = _projection(layer.o), _projection(layer.down)
             self._held += [t for p in (*qkv, *gate_up, layer.o, layer.down)
-                           for t in (p.q, p.scale, p.minv, p.bias) if t is not None]
+                           for t in (getattr(p, name) for name in PackedLinear.BUFFERS) if t is not None]
 
     @property
     def layers(self) -> int:

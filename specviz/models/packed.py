@@ -33,7 +33,8 @@ from torch import nn
 from specviz.models import cpu_attention, cpu_kernels
 from specviz.models.gguf_pack import Packed, UnsupportedBlocks, dequantize_reference, pack
 
-FORMAT_VERSION = 2  # bump whenever the kernels read the packed bytes differently (v1: another nibble order)
+FORMAT_VERSION = 3  # bump whenever the kernels read the packed bytes differently (v1: another nibble order; v2:
+# without the k-quants' two-level scales)
 PACKED_FILE = "packed.safetensors"
 
 # GGUF tensor names (llama.cpp's qwen2/llama layout) -> transformers module names
@@ -48,36 +49,60 @@ class PackedLinear(nn.Module):
     """y = x · Wᵀ + b with W packed; a drop-in nn.Linear for fp32 inputs on the CPU, which the kernel
     multiplies as they are or, with int8_activations, quantized per row and group of 32. With 8-bit activations
     the weight is held in the kernels' interleaved layout (eight columns side by side, cpu_kernels.q4_interleave):
-    q [N8, ...], scale / minv [N8, K/group, 8]; otherwise in the row-major one: q [N, ...], scale / minv
-    [N, K/group]. `packed()` gives the row-major form either way."""
+    q [N8, ...], and either the k-quants' two-level scales where the weight has them (sub, sup:
+    cpu_kernels.super_interleave; scale and minv None) or scale / minv [N8, K/group, 8]. Otherwise the row-major
+    one: q [N, ...], scale / minv [N, K/group]. `packed()` gives the row-major form either way."""
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None, int8_activations: bool = False):
         super().__init__()
         self.kind, self.source, self.int8_activations = packed.kind, packed.source, int8_activations
         self.out_features, self.in_features = packed.shape
-        q, scale, minv = packed.q, packed.scale, packed.minv
+        q, scale, minv, sub, sup = packed.q, packed.scale, packed.minv, None, None
         if int8_activations and self.kind == "q4":
             q, scale, minv = cpu_kernels.q4_interleave(q, scale, minv)
         elif int8_activations:
             q, scale = cpu_kernels.q8_interleave(q, scale)
+        if int8_activations and packed.sub is not None:  # the same bits from 2.5 fewer bytes per 32 weights
+            sub, sup = cpu_kernels.super_interleave(packed.sub, packed.sup)
+            scale = minv = None
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("minv", minv, persistent=False)
+        self.register_buffer("sub", sub, persistent=False)
+        self.register_buffer("sup", sup, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    @property
+    def scale_groups(self) -> int:
+        """Scale groups along K (K/32, or K/16 for Q6_K)."""
+        return (self.scale if self.sub is None else self.sub).shape[1]
 
     def packed(self) -> Packed:
         """The weight in the row-major format (gguf_pack.Packed)."""
         q, scale, minv, n = self.q, self.scale, self.minv, self.out_features
+        sub = sup = None
+        if self.sub is not None:
+            sub, sup = cpu_kernels.super_deinterleave(self.sub, self.sup, n)
+            scale, minv = self._flat_scales()
         if self.int8_activations and self.kind == "q4":
             q, scale, minv = cpu_kernels.q4_deinterleave(q, scale, minv, n)
         elif self.int8_activations:
             q, scale = cpu_kernels.q8_deinterleave(q, scale, n)
-        return Packed(self.kind, q, scale, minv, self.source)
+        return Packed(self.kind, q, scale, minv, self.source, sub, sup)
+
+    def _flat_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The two-level scales multiplied out, in the interleaved layout: scale [, minv] [N8, G, 8]."""
+        N8, G = self.sub.shape[:2]
+        if self.kind == "q4":  # sub [N8, G, 2, 8], sup [N8, G/8, 2, 8]
+            full = self.sub.float() * self.sup.repeat_interleave(8, dim=1)
+            return full[:, :, 0].contiguous(), full[:, :, 1].contiguous()
+        return (self.sub.float() * self.sup.repeat_interleave(16, dim=1)).contiguous(), None
 
     @property
     def nbytes(self) -> int:
         """Bytes a call reads of the weight (its layout's own, padding included)."""
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv, self.sub, self.sup)
+                   if t is not None)
 
     def dense(self) -> torch.Tensor:
         """The fp32 weight [N, K]."""
@@ -88,6 +113,10 @@ class PackedLinear(nn.Module):
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:  # rows [M, K] fp32 contiguous -> [M, N]
         n = self.out_features
+        if self.sub is not None and self.kind == "q4":
+            return cpu_kernels.q4a8_super_matmul(rows, self.q, self.sub, self.sup, n, self.bias)
+        if self.sub is not None:
+            return cpu_kernels.q8a8_super_matmul(rows, self.q, self.sub, self.sup, n, self.bias)
         if self.int8_activations and self.kind == "q4":
             return cpu_kernels.q4a8_matmul(rows, self.q, self.scale, self.minv, n, self.bias)
         if self.int8_activations:
@@ -105,7 +134,7 @@ class PackedLinear(nn.Module):
             y = torch.cat([self._matmul(rows[i:i + step]) for i in range(0, rows.shape[0], step)])
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    BUFFERS = ("q", "scale", "minv", "bias")
+    BUFFERS = ("q", "scale", "minv", "sub", "sup", "bias")
 
     @classmethod
     def holding(cls, like: "PackedLinear", tensors: dict[str, torch.Tensor | None], out_features: int,
@@ -129,15 +158,15 @@ class PackedLinear(nn.Module):
         """A PackedLinear computing only outputs `ids` (LongTensor [K]); the rows keep their own scales."""
         if self.int8_activations:  # only the 8-column blocks holding `ids` go back to rows (a head is ~100 MB)
             blocks = torch.unique(ids // 8)  # sorted
-            part = PackedLinear.holding(self, {"q": self.q[blocks], "scale": self.scale[blocks], "bias": None,
-                                               "minv": None if self.minv is None else self.minv[blocks]},
+            part = PackedLinear.holding(self, {name: None if name == "bias" or getattr(self, name) is None
+                                               else getattr(self, name)[blocks] for name in self.BUFFERS},
                                         8 * len(blocks), self.source)
             p, at = part.packed(), torch.searchsorted(blocks, ids // 8) * 8 + ids % 8
         else:
             p, at = self.packed(), ids
-        sub = Packed(self.kind, p.q.index_select(0, at), p.scale.index_select(0, at),
-                     None if p.minv is None else p.minv.index_select(0, at), self.source)
-        return PackedLinear(sub, None if self.bias is None else self.bias.index_select(0, ids), self.int8_activations)
+        pick = lambda t: None if t is None else t.index_select(0, at)  # noqa: E731
+        rows = Packed(self.kind, pick(p.q), pick(p.scale), pick(p.minv), self.source, pick(p.sub), pick(p.sup))
+        return PackedLinear(rows, None if self.bias is None else self.bias.index_select(0, ids), self.int8_activations)
 
     def extra_repr(self) -> str:
         activations = "int8" if self.int8_activations else "fp32"
@@ -155,8 +184,8 @@ def fuse(layers: list[PackedLinear], place: Callable[[torch.Tensor], torch.Tenso
     should live (models/arena.py)."""
     first = layers[0]
     same = all(m.kind == first.kind and m.in_features == first.in_features
-               and m.int8_activations == first.int8_activations and m.scale.shape[1] == first.scale.shape[1]
-               and (m.bias is None) == (first.bias is None) and (m.minv is None) == (first.minv is None)
+               and m.int8_activations == first.int8_activations and m.scale_groups == first.scale_groups
+               and all((getattr(m, name) is None) == (getattr(first, name) is None) for name in PackedLinear.BUFFERS)
                and (not m.int8_activations or m.out_features % 8 == 0)
                for m in layers)
     if not same:
@@ -239,10 +268,9 @@ def save_packed(packed: dict[str, Packed], path: Path) -> None:
     """Write packed weights to one safetensors file, whole or not at all."""
     tensors, kinds = {}, {}
     for name, p in packed.items():
-        tensors[f"{name}.q"] = p.q.contiguous()
-        tensors[f"{name}.scale"] = p.scale.contiguous()
-        if p.minv is not None:
-            tensors[f"{name}.minv"] = p.minv.contiguous()
+        for part in ("q", "scale", "minv", "sub", "sup"):
+            if getattr(p, part) is not None:
+                tensors[f"{name}.{part}"] = getattr(p, part).contiguous()
         kinds[name] = [p.kind, p.source]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata={"specviz_packed": json.dumps({"version": FORMAT_VERSION, "kinds": kinds})})
@@ -272,7 +300,8 @@ def load_packed(path: Path) -> dict[str, Packed] | None:
     if meta is None:
         return None
     tensors = load_file(str(path))
-    return {name: Packed(kind, tensors[f"{name}.q"], tensors[f"{name}.scale"], tensors.get(f"{name}.minv"), source)
+    return {name: Packed(kind, tensors[f"{name}.q"], tensors[f"{name}.scale"], tensors.get(f"{name}.minv"), source,
+                         tensors.get(f"{name}.sub"), tensors.get(f"{name}.sup"))
             for name, (kind, source) in meta["kinds"].items()}
 
 

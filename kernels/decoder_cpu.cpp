@@ -37,6 +37,8 @@ void specviz_q4a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q,
                          const float* minv, int64_t N, const float* bias, float* y, int nthreads);
 void specviz_q8a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t group,
                          int64_t N, const float* bias, float* y, int nthreads);
+void specviz_q4a8_half_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* scale,
+                              const uint16_t* minv, int64_t N, const float* bias, float* y, int nthreads);
 void specviz_q4a8_super_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint8_t* sub,
                                const float* sup, int64_t N, const float* bias, float* y, int nthreads);
 void specviz_q8a8_super_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const int8_t* sub,
@@ -50,14 +52,15 @@ void specviz_attention(const float* q, const float* k, const float* v, const uin
 // Mirrored by ctypes in specviz/models/native_forward.py: change both together.
 struct Projection {
     const uint8_t* q;
-    const float* scale;  // flat scales, or null where the two-level ones are given
-    const float* minv;   // q4's flat minimums; null for q8
+    const void* scale;   // flat scales (fp32, or fp16 where `half`), or null where the two-level ones are given
+    const void* minv;    // q4's flat minimums; null for q8
     const void* sub;     // two-level scales (qmatmul_cpu.cpp's SuperQ4 / SuperQ8): uint8 (q4) or int8 (q8), or null
     const float* sup;
     const float* bias;   // [n] or null
     int64_t n;           // output columns
     int64_t group;       // q8's scale group (16 or 32); 32 for q4
     int64_t q4;          // 1: q4, 0: q8
+    int64_t half;        // 1: scale and minv are fp16 (q4)
 };
 
 struct Layer {
@@ -92,8 +95,11 @@ void project(const Projection& p, const float* x, int64_t M, int64_t K, float* y
                                                  nthreads);
     else if (p.sub) specviz_q8a8_super_matmul(x, M, K, p.q, static_cast<const int8_t*>(p.sub), p.sup, p.n, p.bias, y,
                                               nthreads);
-    else if (p.q4) specviz_q4a8_matmul(x, M, K, p.q, p.scale, p.minv, p.n, p.bias, y, nthreads);
-    else specviz_q8a8_matmul(x, M, K, p.q, p.scale, p.group, p.n, p.bias, y, nthreads);
+    else if (p.q4 && p.half) specviz_q4a8_half_matmul(x, M, K, p.q, static_cast<const uint16_t*>(p.scale),
+                                                      static_cast<const uint16_t*>(p.minv), p.n, p.bias, y, nthreads);
+    else if (p.q4) specviz_q4a8_matmul(x, M, K, p.q, static_cast<const float*>(p.scale),
+                                       static_cast<const float*>(p.minv), p.n, p.bias, y, nthreads);
+    else specviz_q8a8_matmul(x, M, K, p.q, static_cast<const float*>(p.scale), p.group, p.n, p.bias, y, nthreads);
 }
 
 // out = weight · x / sqrt(mean(x²) + eps), one row

@@ -374,7 +374,8 @@ struct A8Out {  // where a tile's results go
 };
 
 // A group's scales for the eight columns of a block, one fp32 lane each. Two layouts, the same numbers:
-//   Flat: fp32 per group, scale / minv [N8, G, 8] (any q4 or q8 weight).
+//   Flat: fp32 per group, scale / minv [N8, G, 8] (any q4 or q8 weight); Half: the same in fp16 where fp16
+//   holds every scale exactly (q4; the 4-bit draft's, rounded so when it is quantized): 5 bits a weight.
 //   Super: the GGUF k-quants' own two levels, an integer per group times an fp32 per 256 elements: q4 (Q4_K)
 //   sub [N8, G, 2, 8] uint8 (scale, minimum) and sup [N8, G/8, 2, 8] fp32 (d, dmin); q8 (Q6_K, groups of 16)
 //   sub [N8, G, 8] int8 and sup [N8, G/16, 8]. float(integer) · fp32 is the flat scale exactly (at most 17 and
@@ -384,6 +385,12 @@ struct FlatQ4 {
     const float* scale; const float* minv; int64_t G;
     __m256 s(int64_t blk, int64_t g) const { return _mm256_loadu_ps(scale + (blk * G + g) * 8); }
     __m256 m(int64_t blk, int64_t g) const { return _mm256_loadu_ps(minv + (blk * G + g) * 8); }
+};
+struct HalfQ4 {  // as FlatQ4, the scales and minimums stored as fp16 (where fp16 holds them exactly: the 4-bit draft)
+    const uint16_t* scale; const uint16_t* minv; int64_t G;
+    __m256 s(int64_t blk, int64_t g) const { return half8(scale + (blk * G + g) * 8); }
+    __m256 m(int64_t blk, int64_t g) const { return half8(minv + (blk * G + g) * 8); }
+    static __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 };
 struct SuperQ4 {
     const uint8_t* sub; const float* sup; int64_t G;
@@ -672,6 +679,12 @@ void specviz_q8a8_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q,
                          int64_t N, const float* bias, float* y, int nthreads) {
     if (group == 16) q8a8<16>(x, M, K, q, FlatQ8{scale, K / 16}, N, bias, y, nthreads);
     else q8a8<32>(x, M, K, q, FlatQ8{scale, K / 32}, N, bias, y, nthreads);
+}
+
+// The same with fp16 scale / minv [N8, K/32, 8] (HalfQ4 above).
+void specviz_q4a8_half_matmul(const float* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* scale,
+                              const uint16_t* minv, int64_t N, const float* bias, float* y, int nthreads) {
+    q4a8(x, M, K, q, HalfQ4{scale, minv, K / 32}, N, bias, y, nthreads);
 }
 
 // The same, on the k-quants' two-level scales (SuperQ4 / SuperQ8 above; specviz.models.cpu_kernels.

@@ -337,19 +337,29 @@ def test_a_copy_without_a_kernel_source_says_so_and_falls_back(tmp_path):
 
 
 def test_the_4bit_draft_blocks_round_to_the_nearest_level_of_each_groups_range():
-    """q4_blocks as the kernels read it (their own dequantization): every weight within half a step of its
-    group's scale, each group's minimum and maximum exact up to fp32 rounding, a constant group exact."""
+    """q4_blocks as the kernels read it (their own dequantization): scale and minimum in fp16 (what lets the
+    kernels read them as such), its levels spanning every group, every weight within half a step of its group's
+    scale, a constant group's weights within one fp16 rounding."""
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(24, 256, generator=g) * torch.rand(24, 1, generator=g)
     weight[3, 32:64] = 0.25  # a constant group: scale 0
     packed = q4_blocks(weight)
+    for t in (packed.scale, packed.minv):
+        assert torch.equal(t.half().float(), t)
     dense = cpu_kernels.q4_dequant(packed.q, packed.scale, packed.minv)
     step = packed.scale.repeat_interleave(32, dim=1)
     assert ((dense - weight).abs() <= step / 2 * (1 + 1e-4) + 1e-7).all()
     groups = lambda t: t.reshape(24, 8, 32)
-    torch.testing.assert_close(groups(dense).amin(-1), groups(weight).amin(-1), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(groups(dense).amax(-1), groups(weight).amax(-1), rtol=1e-5, atol=1e-6)
-    assert torch.equal(dense[3, 32:64], weight[3, 32:64])
+    assert (-packed.minv <= groups(weight).amin(-1)).all()  # the levels span every group (rounded up, not off)
+    assert (15 * packed.scale - packed.minv >= groups(weight).amax(-1)).all()
+    torch.testing.assert_close(dense[3, 32:64], weight[3, 32:64], rtol=2 ** -10, atol=0)
+    a8 = PackedLinear(packed, None, int8_activations=True)
+    if cpu_kernels.has_int8_activations():  # read as fp16, the same bits as the fp32 scales
+        assert a8.scale.dtype == torch.float16
+        x = torch.randn(5, 256, generator=g)
+        flat = PackedLinear(packed, None, int8_activations=True)
+        flat.scale, flat.minv = flat.scale.float(), flat.minv.float()
+        assert torch.equal(a8(x), flat(x))
 
 
 @A8

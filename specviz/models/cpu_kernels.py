@@ -118,8 +118,8 @@ def super_deinterleave(subi: torch.Tensor, supi: torch.Tensor, n: int) -> tuple[
     return rows(subi), rows(supi)
 
 
-def _columns(interleaved: torch.Tensor, n: int) -> torch.Tensor:  # [N8, G, 8] -> [n, G]
-    return interleaved.transpose(1, 2).reshape(-1, interleaved.shape[1])[:n].contiguous()
+def _columns(interleaved: torch.Tensor, n: int) -> torch.Tensor:  # [N8, G, 8] -> [n, G] fp32
+    return interleaved.transpose(1, 2).reshape(-1, interleaved.shape[1])[:n].float().contiguous()
 
 
 def q4_deinterleave(qi: torch.Tensor, si: torch.Tensor, mi: torch.Tensor, n: int
@@ -147,6 +147,16 @@ def q4a8_matmul(x: torch.Tensor, qi: torch.Tensor, si: torch.Tensor, mi: torch.T
     y = torch.empty((M, n), dtype=torch.float32)
     library().specviz_q4a8_matmul(x.data_ptr(), M, K, qi.data_ptr(), si.data_ptr(), mi.data_ptr(), n, _ptr(bias),
                                   y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def q4a8_half_matmul(x: torch.Tensor, qi: torch.Tensor, si: torch.Tensor, mi: torch.Tensor, n: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """As q4a8_matmul with si, mi in fp16 (q4_interleave's, where fp16 holds them exactly): the same bits."""
+    M, K = x.shape
+    y = torch.empty((M, n), dtype=torch.float32)
+    library().specviz_q4a8_half_matmul(x.data_ptr(), M, K, qi.data_ptr(), si.data_ptr(), mi.data_ptr(), n,
+                                       _ptr(bias), y.data_ptr(), torch.get_num_threads())
     return y
 
 

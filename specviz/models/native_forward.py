@@ -30,7 +30,7 @@ MATMUL_STAGES = ("qkv", "output", "gate_up", "down")
 class _Projection(ctypes.Structure):  # decoder_cpu.cpp's Projection: change both together
     _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
                 ("sub", ctypes.c_void_p), ("sup", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64),
-                ("group", ctypes.c_int64), ("q4", ctypes.c_int64)]
+                ("group", ctypes.c_int64), ("q4", ctypes.c_int64), ("half", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):  # decoder_cpu.cpp's Layer
@@ -52,7 +52,8 @@ def _projection(p: PackedLinear) -> _Projection:
         return None if t is None else t.data_ptr()
 
     return _Projection(p.q.data_ptr(), ptr(p.scale), ptr(p.minv), ptr(p.sub), ptr(p.sup), ptr(p.bias),
-                       p.out_features, p.in_features // p.scale_groups, int(p.kind == "q4"))
+                       p.out_features, p.in_features // p.scale_groups, int(p.kind == "q4"),
+                       int(p.scale is not None and p.scale.dtype == torch.float16))
 
 
 class NativeLayers:

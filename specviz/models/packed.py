@@ -50,7 +50,8 @@ class PackedLinear(nn.Module):
     multiplies as they are or, with int8_activations, quantized per row and group of 32. With 8-bit activations
     the weight is held in the kernels' interleaved layout (eight columns side by side, cpu_kernels.q4_interleave):
     q [N8, ...], and either the k-quants' two-level scales where the weight has them (sub, sup:
-    cpu_kernels.super_interleave; scale and minv None) or scale / minv [N8, K/group, 8]. Otherwise the row-major
+    cpu_kernels.super_interleave; scale and minv None) or scale / minv [N8, K/group, 8], in fp16 for q4 where fp16
+    holds every one of them exactly (the 4-bit draft's: models/quant.py), else fp32. Otherwise the row-major
     one: q [N, ...], scale / minv [N, K/group]. `packed()` gives the row-major form either way."""
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None, int8_activations: bool = False):
@@ -65,6 +66,8 @@ class PackedLinear(nn.Module):
         if int8_activations and packed.sub is not None:  # the same bits from 2.5 fewer bytes per 32 weights
             sub, sup = cpu_kernels.super_interleave(packed.sub, packed.sup)
             scale = minv = None
+        elif int8_activations and self.kind == "q4" and _fp16_exact(scale) and _fp16_exact(minv):
+            scale, minv = scale.half(), minv.half()  # the same bits from 2 fewer bytes per 32 weights
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("minv", minv, persistent=False)
@@ -117,6 +120,8 @@ class PackedLinear(nn.Module):
             return cpu_kernels.q4a8_super_matmul(rows, self.q, self.sub, self.sup, n, self.bias)
         if self.sub is not None:
             return cpu_kernels.q8a8_super_matmul(rows, self.q, self.sub, self.sup, n, self.bias)
+        if self.int8_activations and self.scale.dtype == torch.float16:
+            return cpu_kernels.q4a8_half_matmul(rows, self.q, self.scale, self.minv, n, self.bias)
         if self.int8_activations and self.kind == "q4":
             return cpu_kernels.q4a8_matmul(rows, self.q, self.scale, self.minv, n, self.bias)
         if self.int8_activations:
@@ -185,6 +190,7 @@ def fuse(layers: list[PackedLinear], place: Callable[[torch.Tensor], torch.Tenso
     first = layers[0]
     same = all(m.kind == first.kind and m.in_features == first.in_features
                and m.int8_activations == first.int8_activations and m.scale_groups == first.scale_groups
+               and (m.scale is None or m.scale.dtype == first.scale.dtype)
                and all((getattr(m, name) is None) == (getattr(first, name) is None) for name in PackedLinear.BUFFERS)
                and (not m.int8_activations or m.out_features % 8 == 0)
                for m in layers)
@@ -204,6 +210,11 @@ def fuse(layers: list[PackedLinear], place: Callable[[torch.Tensor], torch.Tenso
                 setattr(m, name, getattr(fused, name)[start // per_row:(start + m.out_features) // per_row])
         start += m.out_features
     return fused
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    """Whether fp16 holds every value of t (fp32) exactly."""
+    return bool(torch.equal(t.half().float(), t))
 
 
 class PackingError(ValueError):

@@ -5,8 +5,8 @@ Only the draft is quantized: verification keeps the output distributed exactly a
 q the draft proposes. The 4-bit draft (`quantize_draft_q4`) re-quantizes every linear weight to the q4
 format the target's Q4_K blocks use, groups of 32 with their own scale and minimum, and runs on the same
 kernels with 8-bit activations: the embedded draft's GGUF holds mostly Q5_0/Q8_0 (its 896 columns are no
-multiple of k-quants' 256), which the kernels read as 8-bit, ~9 bits per weight with scales, against ~6
-here. The int8 draft (`quantize_draft_int8`, dynamic quantization: int8 weights, activations quantized per
+multiple of k-quants' 256), which the kernels read as 8-bit, ~9 bits per weight with scales, against 5
+here (fp16 scale and minimum per 32). The int8 draft (`quantize_draft_int8`, dynamic quantization: int8 weights, activations quantized per
 call) is the fallback where the kernels do not build.
 """
 
@@ -31,19 +31,28 @@ def quantize_draft_int8(model: nn.Module) -> nn.Module:
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
+def _fp16_at_least(t: torch.Tensor) -> torch.Tensor:
+    """The least fp16 value ≥ each of t (fp32), as fp32."""
+    h = t.half()
+    return torch.where(h.float() < t, torch.nextafter(h, torch.full_like(h, float("inf"))), h).float()
+
+
 def q4_blocks(weight: torch.Tensor) -> Packed:
     """weight [N, K] (K a multiple of 64) as the kernels' q4 format: per group of 32 along K, w ≈ scale · q −
-    minv with q in 0 … 15 spanning the group's range (scale = (max − min) / 15, minv = −min), q rounded to
-    the nearest level: llama.cpp's Q4_1 in spirit, with fp32 scales. (Searching narrower ranges by squared
+    minv with q in 0 … 15 spanning the group's range (minv = −min, scale = (max + minv) / 15, both rounded up to
+    fp16), q rounded to the nearest level: llama.cpp's Q4_1 in spirit. (Searching narrower ranges by squared
     error, as k-quants do, moved the draft's agreement with the target by less than its noise here.)"""
     N, K = weight.shape
     groups = weight.detach().float().reshape(N, K // 32, 32)
     low, high = groups.amin(-1), groups.amax(-1)  # [N, K/32]
-    scale = (high - low) / 15
+    # scale and minimum rounded up to fp16 first (the kernels then read 2 bytes each, not 4; up, so that the levels
+    # still span the group), q rounded against them
+    minv = _fp16_at_least(-low)
+    scale = _fp16_at_least((high + minv) / 15)
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    q = ((groups - low[..., None]) * inverse[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
+    q = ((groups + minv[..., None]) * inverse[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
     nibbles = q[:, 0::2] | (q[:, 1::2] << 4)  # element 2i in the low nibble, 2i + 1 in the high one
-    return Packed("q4", nibbles.contiguous(), scale.contiguous(), (-low).contiguous(), "Q4 (re-quantized by specviz)")
+    return Packed("q4", nibbles.contiguous(), scale.contiguous(), minv.contiguous(), "Q4 (re-quantized by specviz)")
 
 
 def quantize_draft_q4(model: nn.Module) -> nn.Module:

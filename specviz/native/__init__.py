@@ -133,9 +133,11 @@ def _load() -> ctypes.CDLL:
         lib.specviz_int8_peak.restype = ctypes.c_double
         lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
         lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
+        lib.specviz_q4a8_half_matmul.argtypes = lib.specviz_q4_matmul.argtypes
         lib.specviz_q4a8_super_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, cint]
         lib.specviz_q8a8_super_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, cint]
-        functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul, lib.specviz_q4a8_super_matmul,
+        functions += [lib.specviz_q4a8_matmul, lib.specviz_q8a8_matmul, lib.specviz_q4a8_half_matmul,
+                      lib.specviz_q4a8_super_matmul,
                       lib.specviz_q8a8_super_matmul]
     if lib.specviz_has_decoder():  # layers: an array of decoder_cpu.cpp's Layer (specviz.models.native_forward)
         lib.specviz_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64,

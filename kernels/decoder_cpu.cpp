@@ -25,7 +25,7 @@
 #include <omp.h>
 #include <chrono>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // as qmatmul_cpu.cpp's 8-bit kernels
 #include <immintrin.h>
 #define SPECVIZ_DECODER 1
 #include "vector_math.h"

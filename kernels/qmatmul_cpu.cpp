@@ -25,7 +25,7 @@
 #include <omp.h>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // F16C: HalfQ4's fp16 scales
 #include <immintrin.h>
 #define SPECVIZ_AVX2 1
 #endif
@@ -379,8 +379,8 @@ struct A8Out {  // where a tile's results go
 //   Super: the GGUF k-quants' own two levels, an integer per group times an fp32 per 256 elements: q4 (Q4_K)
 //   sub [N8, G, 2, 8] uint8 (scale, minimum) and sup [N8, G/8, 2, 8] fp32 (d, dmin); q8 (Q6_K, groups of 16)
 //   sub [N8, G, 8] int8 and sup [N8, G/16, 8]. float(integer) · fp32 is the flat scale exactly (at most 17 and
-//   19 significant bits; checked when packing), so both give the same bits; Super reads 2.5 fewer bytes per 32
-//   weights (q4: 4.75 bits a weight instead of 6; q8 from Q6_K: 8.6 instead of 10).
+//   19 significant bits; checked when packing), so both give the same bits; Super reads 3 bytes of scales per 32
+//   weights instead of 8 (q4: 4.75 bits a weight instead of 6), 2.5 instead of 8 for Q6_K (8.6 bits instead of 10).
 struct FlatQ4 {
     const float* scale; const float* minv; int64_t G;
     __m256 s(int64_t blk, int64_t g) const { return _mm256_loadu_ps(scale + (blk * G + g) * 8); }

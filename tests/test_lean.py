@@ -272,7 +272,7 @@ def test_the_lean_forward_moves_every_packed_weight_into_one_arena():
 
     model = packed_model(FORMATS["unfused"])
     tensors = lambda: [t for m in model.modules() if isinstance(m, PackedLinear)
-                       for t in (m.q, m.scale, m.minv, m.bias) if t is not None]
+                       for t in (getattr(m, name) for name in PackedLinear.BUFFERS) if t is not None]
     size = footprint(tensors())
     forward = lean.LeanForward(model)
     starts = [t.data_ptr() for t in tensors()]

@@ -186,7 +186,9 @@ def test_two_level_scales_give_the_flat_scales_bits_from_fewer_bytes(kind, tmp_p
     fused = fuse([first, other])
     assert fused is not None and fused.sub is not None and torch.equal(fused(x), torch.cat(parts, dim=1))
     assert torch.equal(first(x), parts[0]) and torch.equal(other(x), parts[1])  # the parts now read the fused storage
-    assert fuse([PackedLinear(p, None, True), PackedLinear(flat_twin(p), None, True)]) is None  # two layouts
+    whole = two_level_packed(kind, 40, 512, seed=8)
+    for pair in ([whole, flat_twin(whole)], [flat_twin(whole), whole]):  # two layouts: not one fused layer
+        assert fuse([PackedLinear(w, None, True) for w in pair]) is None
     packed_module.save_packed({"w": p}, tmp_path / "packed.safetensors")
     loaded = packed_module.load_packed(tmp_path / "packed.safetensors")["w"]
     assert torch.equal(loaded.sub, p.sub) and torch.equal(loaded.sup, p.sup)
@@ -290,6 +292,26 @@ def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
                 lib.specviz_q8a8_matmul(x.data_ptr(), m, 448, layer.q.data_ptr(), layer.scale.data_ptr(), group,
                                         37, bias.data_ptr(), theirs.data_ptr(), 2)
             assert torch.equal(ours, theirs), f"{kind} (group {group}), {m} rows: the builds differ"
+    # the scales' other layouts: the k-quants' two levels, and the 4-bit draft's fp16
+    for f in (lib.specviz_q4a8_super_matmul, lib.specviz_q8a8_super_matmul, lib.specviz_q4a8_half_matmul):
+        f.argtypes, f.restype = getattr(native, f.__name__).argtypes, None
+    bias = torch.randn(37)
+    layers = {name: PackedLinear(p, bias, int8_activations=True) for name, p in (
+        ("q4 two-level", two_level_packed("q4", 37, 512, seed=9)), ("q8 two-level", two_level_packed("q8", 37, 512, seed=9)),
+        ("q4 fp16", q4_blocks(torch.randn(37, 512))))}
+    assert layers["q4 fp16"].scale.dtype == torch.float16
+    for name, layer in layers.items():
+        for m in (1, 3, 5, 8, 13):
+            x = torch.randn(m, 512) * 3
+            theirs = torch.empty(m, 37)
+            if name == "q4 fp16":
+                lib.specviz_q4a8_half_matmul(x.data_ptr(), m, 512, layer.q.data_ptr(), layer.scale.data_ptr(),
+                                             layer.minv.data_ptr(), 37, bias.data_ptr(), theirs.data_ptr(), 2)
+            else:
+                f = lib.specviz_q4a8_super_matmul if name.startswith("q4") else lib.specviz_q8a8_super_matmul
+                f(x.data_ptr(), m, 512, layer.q.data_ptr(), layer.sub.data_ptr(), layer.sup.data_ptr(), 37,
+                  bias.data_ptr(), theirs.data_ptr(), 2)
+            assert torch.equal(layer(x), theirs), f"{name}, {m} rows: the builds differ"
     # attention: AVX-512 takes three query heads per pass over their key head, AVX2 one: the same bits
     lib.specviz_attention.argtypes, lib.specviz_attention.restype = native.specviz_attention.argtypes, None
     g = torch.Generator().manual_seed(3)

@@ -13,7 +13,8 @@ side by side in one process, the two engines' calls alternating, so the host's d
   to it), so that the decoding runs compare decoding; the prompt read itself is the calls' prefill row.
 
 llama.cpp is not batch invariant (its matmuls pick kernels by batch size), so its speculative output may part
-from its own target-only output where two logits nearly tie; `equal` says whether it did.
+from its own target-only output where two logits nearly tie; `equal` says whether it did. The drafts differ in
+weights: specviz's is its 4-bit re-quantization (models/quant.py), llama.cpp's the GGUF's own Q5_0/Q8_0 blocks.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class LlamaSide:
     def score(self, tokens: list[int]) -> np.ndarray:
         """Feed tokens after the kept cache -> logits [len(tokens), V] (a view of the model's buffer)."""
         start = self.llm.n_tokens
+        self._last = None  # next_greedy reads the scored rows from now on
         self.llm.eval(tokens)
         return self.llm.scores[start: start + len(tokens)]
 
@@ -266,6 +268,8 @@ def decode_rounds(pair: ModelPair, target: LlamaSide, draft: LlamaSide, label: s
         jobs[f"llama.cpp speculative γ={g}"] = lambda g=g: llama_speculative(target, draft, prompt,
                                                                               cfg.max_new_tokens, g, stop)
     specviz_greedy(pair, label, prompt, replace(cfg, max_new_tokens=4), False)  # one-off setup, untimed
+    target.read(prompt)  # and llama.cpp's prompt read, so that neither engine's first round reads its prompt
+    draft.read(prompt)
     out: dict[str, list[Decoded]] = {name: [] for name in jobs}
     for _ in range(rounds):
         for name, job in jobs.items():

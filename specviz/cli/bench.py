@@ -250,6 +250,8 @@ def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
         raise InputError("bench-llama-cpp reads the embedded pair's own GGUF files: leave --draft/--target as default")
     articles = common.articles(args)
     cfg = common.config(args, TEXT)
+    if min(args.gammas) < 1:
+        raise InputError(f"llama.cpp's speculation needs γ ≥ 1 (its target alone is always measured), got {args.gammas}")
     if not cfg.sampling.greedy:
         raise InputError("bench-llama-cpp compares greedy decoding (its speculative loop keeps the argmax): "
                          "leave --temperature at 0")
@@ -308,7 +310,8 @@ def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
         table[label] = rows
     from importlib.metadata import version
 
-    peer = f"llama-cpp-python {version('llama-cpp-python')}, {threads} threads"
+    peer = (f"llama-cpp-python {version('llama-cpp-python')}, {threads} threads, the GGUF files' own blocks (draft: "
+            "Q5_0/Q8_0; specviz's draft: its 4-bit re-quantization)")
     print(f"\n{pair.draft_name} → {pair.target_name}; {peer}; {machine.describe()}")
     if args.json:
         Path(args.json).write_text(json.dumps({

@@ -212,7 +212,8 @@ class CostAware:
     iteration is a plain step: at most PLAIN_PROBES per run (batch sizes change as rows finish: each size's plain
     price then follows the level of the one measured), each losing under half a step where drafting pays.
 
-    The first plan prices γ with the prior α, a guess, so its γ is at most PRIOR_MAX_GAMMA: a long first draft at
+    A plan priced on the prior α (no draft examined yet) is a guess, so its γ is at most PRIOR_MAX_GAMMA, and it
+    drafts even where the capped γ alone is not expected to pay (it is how α gets learned): a long first draft at
     a wrong α costs several steps (speech at the prior 0.8 drafted γ = 6, mostly rejected: ~3% of a 61-token
     clip), a short one at a right α under one iteration. Not shorter: a first γ of 1 teaches α at one position
     only, and the γs priced from it then swing (7, then 4 on news_water: 7% slower than starting at 3)."""
@@ -281,8 +282,9 @@ class CostAware:
                                 lookups, self.max_gamma)
         (kind, gamma), best = max(table.items(), key=lambda item: (item[1], -item[0][1]))
         if gamma > self.PRIOR_MAX_GAMMA and self._on_prior():
-            (kind, gamma), best = max(((plan, value) for plan, value in table.items()
-                                       if 0 < plan[1] <= self.PRIOR_MAX_GAMMA), key=lambda item: (item[1], -item[0][1]))
+            kind, gamma = max((plan for plan in table if 0 < plan[1] <= self.PRIOR_MAX_GAMMA),
+                              key=lambda plan: (table[plan], -plan[1]))
+            return Plan(gamma, kind)
         if best > 1.0 and self._plain_probe_due(len(keys), best):
             return Plan(0, "")
         if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best):

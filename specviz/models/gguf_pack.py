@@ -13,8 +13,9 @@ Each maps to one of two formats the kernels read (kernels/qmatmul_cpu.cpp):
 Every weight is therefore the same number llama.cpp's dequantization gives, up to the final fp32 multiply.
 
 Q4_K and Q6_K also keep their two levels as they are (`sub`, `sup`): an integer per group and an fp32 per 256
-elements, whose product is the flat scale exactly (checked here). The 8-bit-activation kernels read those,
-2.5 bytes fewer per 32 weights than the flat fp32 scales (kernels/qmatmul_cpu.cpp, SuperQ4 / SuperQ8).
+elements, whose product is the flat scale exactly (checked here). The 8-bit-activation kernels read those:
+3 bytes of scales per 32 weights instead of 8 for Q4_K, 2.5 instead of 8 for Q6_K (kernels/qmatmul_cpu.cpp,
+SuperQ4 / SuperQ8).
 """
 
 from __future__ import annotations

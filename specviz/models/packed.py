@@ -63,11 +63,11 @@ class PackedLinear(nn.Module):
             q, scale, minv = cpu_kernels.q4_interleave(q, scale, minv)
         elif int8_activations:
             q, scale = cpu_kernels.q8_interleave(q, scale)
-        if int8_activations and packed.sub is not None:  # the same bits from 2.5 fewer bytes per 32 weights
+        if int8_activations and packed.sub is not None:  # the same bits from 5 (q4) or 5.5 (Q6_K) fewer bytes per 32
             sub, sup = cpu_kernels.super_interleave(packed.sub, packed.sup)
             scale = minv = None
         elif int8_activations and self.kind == "q4" and _fp16_exact(scale) and _fp16_exact(minv):
-            scale, minv = scale.half(), minv.half()  # the same bits from 2 fewer bytes per 32 weights
+            scale, minv = scale.half(), minv.half()  # the same bits from 4 fewer bytes per 32 weights
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.register_buffer("minv", minv, persistent=False)
@@ -190,8 +190,8 @@ def fuse(layers: list[PackedLinear], place: Callable[[torch.Tensor], torch.Tenso
     first = layers[0]
     same = all(m.kind == first.kind and m.in_features == first.in_features
                and m.int8_activations == first.int8_activations and m.scale_groups == first.scale_groups
-               and (m.scale is None or m.scale.dtype == first.scale.dtype)
                and all((getattr(m, name) is None) == (getattr(first, name) is None) for name in PackedLinear.BUFFERS)
+               and (m.scale is None or m.scale.dtype == first.scale.dtype)
                and (not m.int8_activations or m.out_features % 8 == 0)
                for m in layers)
     if not same:

@@ -234,6 +234,12 @@ void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers
         clock.lap(RESIDUAL);
     }
 }
+
+// The final norm: out [rows, E] = each row of x [rows, E] RMS-normalized and scaled by weight [E] (as the layers'
+// own norms: a row's result is its own, whatever else is in the call).
+void specviz_rms_norm_rows(const float* x, const float* weight, float eps, int64_t rows, int64_t E, float* out) {
+    for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * E, weight, eps, E, out + r * E);
+}
 #endif
 
 }  // extern "C"

@@ -52,9 +52,25 @@ class BufferedLayer(DynamicLayer):
             values[:, :, : self.length] = self._values[:, :, : self.length]
         self._keys, self._values = keys, values
 
-    def _set_views(self) -> None:
-        self.keys = self._keys[:, :, : self.length]
-        self.values = self._values[:, :, : self.length]
+    # keys / values: views of the used length, made when read (the native layers claim slots and the slotted
+    # decoder crops 24-28 layers per call without reading them: making views there cost ~0.2 ms a draft step)
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: None) -> None:  # CacheLayerMixin.__init__ sets None; the buffers are the state
+        if value is not None:
+            raise AttributeError("a BufferedLayer's keys are views of its buffers; write them through update")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: None) -> None:
+        if value is not None:
+            raise AttributeError("a BufferedLayer's values are views of its buffers; write them through update")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +96,6 @@ class BufferedLayer(DynamicLayer):
         elif end > self.capacity:
             self._allocate(key_states, value_states, key_states.shape[0], max(end, GROWTH * self.capacity))
         self.length = end
-        self._set_views()
         return start
 
     def claim(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -96,8 +111,6 @@ class BufferedLayer(DynamicLayer):
     def reset(self) -> None:
         """Empty, buffers kept for the next use."""
         self.length = 0
-        if self._keys is not None:
-            self._set_views()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove slots (transformers 5's convention: a negative count); the buffer
@@ -107,7 +120,6 @@ class BufferedLayer(DynamicLayer):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         self.length = max(0, self.length + tokens_to_remove)
-        self._set_views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """indices LongTensor[b]: keep these rows, in this order (a row may repeat). Copies the used slots
@@ -120,7 +132,6 @@ class BufferedLayer(DynamicLayer):
         keys[:, :, : self.length] = self._keys[indices, :, : self.length]
         values[:, :, : self.length] = self._values[indices, :, : self.length]
         self._keys, self._values = keys, values
-        self._set_views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # beam_idx [b]
         self.batch_select_indices(beam_idx)
@@ -145,7 +156,6 @@ class BufferedLayer(DynamicLayer):
                 self._keys[r, :, width - n: width] = row[0][0]
                 self._values[r, :, width - n: width] = row[1][0]
         self.length = width
-        self._set_views()
 
 
 class BufferedCache(DynamicCache):

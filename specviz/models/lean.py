@@ -107,6 +107,8 @@ class LeanForward:
     them, so memory does not double). Every packed tensor moves into one arena of 2 MB pages
     (models/arena.py). Read-only after construction: one instance serves any number of decoders and threads."""
 
+    ROTARY_TABLE_POSITIONS = 32768  # longer contexts compute their rotary per call past this
+
     def __init__(self, model: nn.Module):
         cfg = model.config
         self.model = model
@@ -128,6 +130,16 @@ class LeanForward:
         self.native = (native_forward.NativeLayers(self.layers, cfg.hidden_size, self.heads, self.kv_heads,
                                                    self.head_dim, self.layers[0].intermediate, self.scaling)
                        if native_forward.applies(projections, norms) else None)
+        self.norm = self.norm.contiguous()
+        # The native path's rotary tables for every position, made once (rotary's ~10 small operations a call
+        # become two lookups; 2 · positions · head_dim fp32: 16-32 MB for the embedded pair). Only where the
+        # rotation does not depend on the call's length (default RoPE); a position's entry is one fixed value.
+        self.rotary_table = None
+        if self.native is not None and getattr(self.rotary, "rope_type", "default") == "default":
+            positions = torch.arange(min(cfg.max_position_embeddings, self.ROTARY_TABLE_POSITIONS))[None]
+            with torch.inference_mode():
+                cos, sin = self.rotary(self.embed[:1][None], positions)  # [1, P, D] each
+            self.rotary_table = (cos[0], sin[0])
 
     def hidden(self, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, cache,
                keep: int) -> torch.Tensor:
@@ -143,11 +155,15 @@ class LeanForward:
         causal = torch.arange(slots)[None, :] <= (past + torch.arange(W))[:, None]  # [W, L + W]
         sees = (valid[:, None, :] & causal[None]).to(torch.uint8).contiguous()  # [B, W, L + W]
         hidden = F.embedding(input_ids, self.embed)  # [B, W, hidden]
-        cos, sin = self.rotary(hidden, positions)  # [B, W, D] each
         if self.native is not None:
+            if self.rotary_table is not None and slots <= len(self.rotary_table[0]):  # positions < slots
+                cos, sin = self.rotary_table[0][positions], self.rotary_table[1][positions]  # [B, W, D] each
+            else:
+                cos, sin = self.rotary(hidden, positions)
             hidden = hidden.contiguous()
             self.native.run(hidden, cache, past, cos.contiguous(), sin.contiguous(), sees)
-            return _rms_norm(hidden[:, -keep:], self.norm, self.eps)
+            return native_forward.rms_norm_rows(hidden[:, -keep:], self.norm, self.eps)
+        cos, sin = self.rotary(hidden, positions)  # [B, W, D] each
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):

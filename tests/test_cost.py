@@ -158,8 +158,12 @@ def test_running_acceptance_learns_positions_and_forgets_slowly():
     once = RunningAcceptance()
     once.add({0: [1.0, 0.0]})  # one greedy iteration: accepted, then rejected
     first, second = once.alphas(None, 2)
-    assert first == pytest.approx(0.9)  # (1 + 0.8) / 2
-    assert second == pytest.approx((0.0 + 3 * 0.9) / 4)  # one rejection does not condemn position 1
+    weight = RunningAcceptance.PRIOR_WEIGHT
+    assert first == pytest.approx((1 + weight * 0.8) / (1 + weight))
+    assert second == pytest.approx((0.0 + 3 * first) / 4)  # one rejection does not condemn position 1
+    rejected = RunningAcceptance()
+    rejected.add({0: [0.0]})  # nor position 0: one greedy rejection keeps a draft worth trying
+    assert rejected.alphas(None, 1)[0] == pytest.approx(weight * 0.8 / (1 + weight)) and weight >= 3
     recent = RunningAcceptance(decay=0.9)
     for a in [0.1] * 50 + [0.9] * 30:
         recent.add({0: [a]})

@@ -16,7 +16,10 @@ class RunningAcceptance:
     is priced like the one before it, not like the batch's average over deeper, harder positions."""
 
     PRIOR = 0.8  # before anything is seen: a draft worth trying (a pessimistic prior would never draft)
-    PRIOR_WEIGHT = 1.0  # position 0 hears from every iteration that drafts: let it learn fast
+    # Position 0 hears from every iteration that drafts, but with a greedy draft each sample is 0 or 1: at a weight
+    # of 1 one rejection halved the estimate and the cost policy then stepped plainly until a probe (the speech clip:
+    # 5 of 50 iterations drafted, 1.02× target-only; at 3, 9 of 23 and 1.28×; news_water sampled 1.42× → 1.91×).
+    PRIOR_WEIGHT = 3.0
     SHRINK = 3.0
 
     def __init__(self, decay: float = 0.95):

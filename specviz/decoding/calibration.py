@@ -18,7 +18,8 @@ from specviz.native import source_digest
 
 CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row scored in the calibration calls
 CALIBRATION_REPEATS = 2  # timed calls per point (twice as many at one token), after one warm-up
-CALIBRATION_VERSION = 2  # bump when what a calibration measures changes: older cached curves are ignored
+CALIBRATION_VERSION = 3  # bump when what a calibration measures changes: older cached curves are ignored (v2:
+# the plain step timed apart from the one-token forward; one noisy spell priced it at 1.5× that forward for good)
 MAX_GAMMA = CALIBRATION_TOKENS[-1] - 1  # beyond the calibrated curve a γ would be priced by extrapolation
 
 
@@ -41,6 +42,19 @@ def _cache_path(identity: dict) -> Path:
     return cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
+def _alternating(first: Callable[[], None], second: Callable[[], None], repeats: int) -> tuple[list[float], list[float]]:
+    """Both calls timed `repeats` times each, in turns, after one warm-up of each."""
+    first()
+    second()
+    a, b = [], []
+    for _ in range(repeats):
+        for call, out in ((first, a), (second, b)):
+            t0 = time.perf_counter()
+            call()
+            out.append(time.perf_counter() - t0)
+    return a, b
+
+
 def _read_cached(path: Path) -> dict | None:
     try:
         d = json.loads(path.read_text())
@@ -58,11 +72,13 @@ def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, d
     t0 = time.perf_counter()
     cached = _read_cached(path)
     if cached is None:
-        for m in CALIBRATION_TOKENS:
-            # one token sets the level every other price is compared with: more repeats there
-            repeats = 2 * CALIBRATION_REPEATS if m == 1 else CALIBRATION_REPEATS
-            costs.set_target(batch, m, statistics.median(_timed(lambda: target_step(m), repeats)))
-        costs.set_plain(batch, statistics.median(_timed(plain_step, 2 * CALIBRATION_REPEATS)))
+        # One token sets the level every other price is compared with, and a plain step is priced as its share of
+        # it: those two alternate, so that a slow spell of the host falls on both (more repeats there).
+        one, plain = _alternating(lambda: target_step(1), plain_step, 2 * CALIBRATION_REPEATS)
+        costs.set_target(batch, 1, statistics.median(one))
+        costs.set_plain(batch, statistics.median(plain))
+        for m in CALIBRATION_TOKENS[1:]:
+            costs.set_target(batch, m, statistics.median(_timed(lambda: target_step(m), CALIBRATION_REPEATS)))
         if draft_step is not None:
             costs.set_draft(batch, statistics.median(_timed(draft_step, CALIBRATION_REPEATS)))
         _write(path, {"target": [[batch, m, costs.curve[(batch, m)], 0] for m in CALIBRATION_TOKENS],

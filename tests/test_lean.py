@@ -39,10 +39,13 @@ def packed_model(formats: list[tuple[str, int]], seed: int = 0, int8_activations
 PATHS = ("transformers", "torch", "native")  # transformers' forward; the lean forward's torch or native path
 
 
-def decode_steps(model, path: str, head=None, lengths=(9, 5, 7)) -> list[torch.Tensor]:
-    """Logits of a fixed script of decoder calls through `path` (PATHS)."""
+def decode_steps(model, path: str, head=None, lengths=(9, 5, 7), keep_table: bool = True) -> list[torch.Tensor]:
+    """Logits of a fixed script of decoder calls through `path` (PATHS); keep_table=False: the native path
+    without its rotary table."""
     assert path in PATHS
     lean.attach(model)
+    if not keep_table:
+        model.lean_forward.rotary_table = None
     if path == "transformers":
         model.lean_forward = None
     elif path == "torch":
@@ -159,6 +162,20 @@ def test_two_level_scales_give_both_paths_the_flat_scales_bits(formats):
     for path in ("torch", "native"):
         for a, b in zip(decode_steps(two, path), decode_steps(flat, path)):
             assert torch.equal(a, b), path
+
+
+def test_the_rotary_table_gives_what_rotary_computes_per_call(monkeypatch):
+    """The native path reads rotary's cos/sin from a table made once; per call (a context past the table, or no
+    table) it computes them. Both: the same logits, bit for bit; and past the table's end it falls back."""
+    model = packed_model(FORMATS["fused"])
+    with_table = decode_steps(model, "native")
+    assert model.lean_forward.rotary_table is not None
+    model.lean_forward.rotary_table = None
+    for a, b in zip(with_table, decode_steps(model, "native", keep_table=False)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(lean.LeanForward, "ROTARY_TABLE_POSITIONS", 8)  # shorter than the script's contexts
+    for a, b in zip(with_table, decode_steps(model, "native")):
+        assert torch.equal(a, b)
 
 
 def test_a_native_call_that_does_not_fit_says_so_and_takes_no_cache_slot():

@@ -126,7 +126,7 @@ class LeanForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scaling = model.model.layers[0].self_attn.scaling
         projections = [m for layer in model.model.layers for m in (*_attention_linears(layer), *_mlp_linears(layer))]
-        norms = [w for layer in self.layers for w in (layer.norm1, layer.norm2)]
+        norms = [w for layer in self.layers for w in (layer.norm1, layer.norm2)] + [model.model.norm.weight]
         self.native = (native_forward.NativeLayers(self.layers, cfg.hidden_size, self.heads, self.kv_heads,
                                                    self.head_dim, self.layers[0].intermediate, self.scaling)
                        if native_forward.applies(projections, norms) else None)
@@ -135,7 +135,7 @@ class LeanForward:
         # become two lookups; 2 · positions · head_dim fp32: 16-32 MB for the embedded pair). Only where the
         # rotation does not depend on the call's length (default RoPE); a position's entry is one fixed value.
         self.rotary_table = None
-        if self.native is not None and getattr(self.rotary, "rope_type", "default") == "default":
+        if self.native is not None and getattr(self.rotary, "rope_type", None) == "default":
             positions = torch.arange(min(cfg.max_position_embeddings, self.ROTARY_TABLE_POSITIONS))[None]
             with torch.inference_mode():
                 cos, sin = self.rotary(self.embed[:1][None], positions)  # [1, P, D] each

@@ -109,17 +109,6 @@ class LlamaSide:
         return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
 
 
-def _median_s(call: Callable[[], None], warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def step_costs(model, vocab: int, llama: LlamaSide, prompt: list[int], tokens: list[int], repeat: int,
                warmup: int = 2) -> dict:

@@ -43,7 +43,8 @@ def int8_peak_macs(iterations: int) -> float:
     return library().specviz_int8_peak(iterations, torch.get_num_threads())
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def address(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for ctypes, None (a null pointer) for None."""
     return None if t is None else t.data_ptr()
 
 
@@ -54,7 +55,7 @@ def q4_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch
     M, K = x.shape
     N = q.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)
-    library().specviz_q4_matmul(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), minv.data_ptr(), N, _ptr(bias),
+    library().specviz_q4_matmul(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), minv.data_ptr(), N, address(bias),
                                 y.data_ptr(), torch.get_num_threads())
     return y
 
@@ -66,7 +67,7 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     N = q.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)
     library().specviz_q8_matmul(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), K // scale.shape[1], N,
-                                _ptr(bias), y.data_ptr(), torch.get_num_threads())
+                                address(bias), y.data_ptr(), torch.get_num_threads())
     return y
 
 
@@ -139,56 +140,46 @@ def q8_deinterleave(qi: torch.Tensor, si: torch.Tensor, n: int) -> tuple[torch.T
     return (stored.to(torch.int16) - 128).to(torch.int8).contiguous(), _columns(si, n)
 
 
+def _a8(kernel: str, x: torch.Tensor, weight: tuple, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """One 8-bit-activation kernel call: x [M, K] fp32 contiguous, the weight's interleaved tensors (and a q8's
+    group) in the kernel's order, n output columns, bias [n] or None -> y [M, n]."""
+    M, K = x.shape
+    y = torch.empty((M, n), dtype=torch.float32)
+    args = [w.data_ptr() if isinstance(w, torch.Tensor) else w for w in weight]
+    getattr(library(), kernel)(x.data_ptr(), M, K, *args, n, address(bias), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
 def q4a8_matmul(x: torch.Tensor, qi: torch.Tensor, si: torch.Tensor, mi: torch.Tensor, n: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 contiguous (any M, K a multiple of 64), quantized per row and group of 32 inside;
     q4_interleave's qi, si, mi; n output columns; bias [n] or None -> y [M, n]."""
-    M, K = x.shape
-    y = torch.empty((M, n), dtype=torch.float32)
-    library().specviz_q4a8_matmul(x.data_ptr(), M, K, qi.data_ptr(), si.data_ptr(), mi.data_ptr(), n, _ptr(bias),
-                                  y.data_ptr(), torch.get_num_threads())
-    return y
+    return _a8("specviz_q4a8_matmul", x, (qi, si, mi), n, bias)
 
 
 def q4a8_half_matmul(x: torch.Tensor, qi: torch.Tensor, si: torch.Tensor, mi: torch.Tensor, n: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """As q4a8_matmul with si, mi in fp16 (q4_interleave's, where fp16 holds them exactly): the same bits."""
-    M, K = x.shape
-    y = torch.empty((M, n), dtype=torch.float32)
-    library().specviz_q4a8_half_matmul(x.data_ptr(), M, K, qi.data_ptr(), si.data_ptr(), mi.data_ptr(), n,
-                                       _ptr(bias), y.data_ptr(), torch.get_num_threads())
-    return y
+    return _a8("specviz_q4a8_half_matmul", x, (qi, si, mi), n, bias)
 
 
 def q4a8_super_matmul(x: torch.Tensor, qi: torch.Tensor, subi: torch.Tensor, supi: torch.Tensor, n: int,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """As q4a8_matmul on the two-level scales (super_interleave's subi uint8 [N8, K/32, 2, 8], supi fp32
     [N8, K/256, 2, 8]; K a multiple of 256): the same bits."""
-    M, K = x.shape
-    y = torch.empty((M, n), dtype=torch.float32)
-    library().specviz_q4a8_super_matmul(x.data_ptr(), M, K, qi.data_ptr(), subi.data_ptr(), supi.data_ptr(), n,
-                                        _ptr(bias), y.data_ptr(), torch.get_num_threads())
-    return y
+    return _a8("specviz_q4a8_super_matmul", x, (qi, subi, supi), n, bias)
 
 
 def q8a8_super_matmul(x: torch.Tensor, qi: torch.Tensor, subi: torch.Tensor, supi: torch.Tensor, n: int,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """As q8a8_matmul (groups of 16) on the two-level scales (subi int8 [N8, K/16, 8], supi fp32 [N8, K/256, 8])."""
-    M, K = x.shape
-    y = torch.empty((M, n), dtype=torch.float32)
-    library().specviz_q8a8_super_matmul(x.data_ptr(), M, K, qi.data_ptr(), subi.data_ptr(), supi.data_ptr(), n,
-                                        _ptr(bias), y.data_ptr(), torch.get_num_threads())
-    return y
+    return _a8("specviz_q8a8_super_matmul", x, (qi, subi, supi), n, bias)
 
 
 def q8a8_matmul(x: torch.Tensor, qi: torch.Tensor, si: torch.Tensor, n: int, bias: torch.Tensor | None
                 ) -> torch.Tensor:
     """As q4a8_matmul for q8_interleave's qi, si (K a multiple of 32)."""
-    M, K = x.shape
-    y = torch.empty((M, n), dtype=torch.float32)
-    library().specviz_q8a8_matmul(x.data_ptr(), M, K, qi.data_ptr(), si.data_ptr(), K // si.shape[1], n, _ptr(bias),
-                                  y.data_ptr(), torch.get_num_threads())
-    return y
+    return _a8("specviz_q8a8_matmul", x, (qi, si, x.shape[1] // si.shape[1]), n, bias)
 
 
 def q4_dequant(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,7 @@ def applies(projections: list[PackedLinear], norms: list[torch.Tensor]) -> bool:
 
 
 def _projection(p: PackedLinear) -> _Projection:
-    def ptr(t: torch.Tensor | None) -> int | None:
-        return None if t is None else t.data_ptr()
-
+    ptr = cpu_kernels.address
     return _Projection(p.q.data_ptr(), ptr(p.scale), ptr(p.minv), ptr(p.sub), ptr(p.sup), ptr(p.bias),
                        p.out_features, p.in_features // p.scale_groups, int(p.kind == "q4"),
                        int(p.scale is not None and p.scale.dtype == torch.float16))

@@ -95,7 +95,6 @@ class PackedLinear(nn.Module):
 
     def _flat_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The two-level scales multiplied out, in the interleaved layout: scale [, minv] [N8, G, 8]."""
-        N8, G = self.sub.shape[:2]
         if self.kind == "q4":  # sub [N8, G, 2, 8], sup [N8, G/8, 2, 8]
             full = self.sub.float() * self.sup.repeat_interleave(8, dim=1)
             return full[:, :, 0].contiguous(), full[:, :, 1].contiguous()

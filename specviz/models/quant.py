@@ -6,8 +6,8 @@ q the draft proposes. The 4-bit draft (`quantize_draft_q4`) re-quantizes every l
 format the target's Q4_K blocks use, groups of 32 with their own scale and minimum, and runs on the same
 kernels with 8-bit activations: the embedded draft's GGUF holds mostly Q5_0/Q8_0 (its 896 columns are no
 multiple of k-quants' 256), which the kernels read as 8-bit, ~9 bits per weight with scales, against 5
-here (fp16 scale and minimum per 32). The int8 draft (`quantize_draft_int8`, dynamic quantization: int8 weights, activations quantized per
-call) is the fallback where the kernels do not build.
+here (fp16 scale and minimum per 32). The int8 draft (`quantize_draft_int8`, dynamic quantization: int8
+weights, activations quantized per call) is the fallback where the kernels do not build.
 """
 
 from __future__ import annotations

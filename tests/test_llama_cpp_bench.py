@@ -68,3 +68,25 @@ def test_the_speculative_loop_emits_what_greedy_decoding_emits(gamma, noise):
             assert spec.drafted - spec.accepted <= gamma
             assert spec.iterations <= -(-len(greedy.tokens) // (gamma + 1)) + 1
         assert target.fed <= len(prompt) + len(spec.tokens)  # the target's cache holds kept tokens only
+
+
+def test_the_benchmark_refuses_what_it_cannot_compare_before_loading_a_model(monkeypatch, capsys):
+    from specviz.cli import commands as cli
+
+    monkeypatch.setattr("specviz.cli.common.load_text", lambda args: pytest.fail("loaded models before refusing"))
+    for argv, says in ((["--gammas", "0"], "γ ≥ 1"), (["--temperature", "0.8"], "greedy"),
+                       (["--target", "someone/else"], "embedded pair")):
+        assert cli.main(["bench-llama-cpp", *argv]) == 2
+        assert says in capsys.readouterr().err
+
+
+def test_without_llama_cpp_the_benchmark_says_how_to_install_it(monkeypatch):
+    import sys
+    from pathlib import Path
+
+    from specviz.bench.llama_cpp import load_llama
+    from specviz.models.loading import ModelLoadError
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not importable, whatever this machine has
+    with pytest.raises(ModelLoadError, match="pip install llama-cpp-python"):
+        load_llama(Path("model.gguf"), 2, 64)

@@ -415,105 +415,191 @@ struct SuperQ8 {  // groups of 16 (Q6_K)
     }
 };
 
-// MT rows × NT blocks of eight columns, rows m0 …, blocks b0 …
-template <int MT, int NT, typename Scales>
+// The tiles' vectors. Lanes8: one block of eight columns per 256-bit vector. Lanes16 (AVX-512 with VNNI and
+// BW): two neighbouring blocks, sixteen columns, per 512-bit vector. Every lane runs the same operations either
+// way (exact integer sums, then the same float steps), so the two give the same bits; the wide one issues half
+// the instructions for the same lanes: measured on the 2-core Zen 4, the fused gate and up projection
+// (17920 × 1536, q4 two-level) at 8 rows 1.00 → 0.84 ms, at 16 rows 2.12 → 1.72 ms (docs/benchmarks.md). A
+// vector's blocks lie `stride` bytes apart.
+struct Lanes8 {
+    using I = __m256i;
+    using F = __m256;
+    static constexpr int BLOCKS = 1;
+    static I zero() { return _mm256_setzero_si256(); }
+    static F zerof() { return _mm256_setzero_ps(); }
+    static I load(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    static void prefetch(const uint8_t* p, int64_t) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+    static I nibbles() { return _mm256_set1_epi8(15); }
+    static I low(I v, I mask) { return _mm256_and_si256(v, mask); }
+    static I high(I v, I mask) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), mask); }
+    static I codes4(const int8_t* p) { return broadcast4(p); }
+    static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+    static I dot(I acc, I u, I s) { return dot4_add(acc, u, s); }
+    static I q8dot(I acc, I stored, I codes) { return q8_dot_add(acc, stored, codes); }
+    static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+    static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+    static F set1f(float v) { return _mm256_set1_ps(v); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+    template <typename Get> static F per_block(Get get, int64_t blk) { return get(blk); }
+    static void store(const A8Out& out, int64_t row, int64_t blk, F v) { out.store(row, blk, v); }
+};
+
+#if defined(SPECVIZ_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define SPECVIZ_LANES16 1
+struct Lanes16 {
+    using I = __m512i;
+    using F = __m512;
+    static constexpr int BLOCKS = 2;
+    static I zero() { return _mm512_setzero_si512(); }
+    static F zerof() { return _mm512_setzero_ps(); }
+    static I load(const uint8_t* p, int64_t stride) {
+        return _mm512_inserti64x4(_mm512_castsi256_si512(Lanes8::load(p, 0)), Lanes8::load(p + stride, 0), 1);
+    }
+    static void prefetch(const uint8_t* p, int64_t stride) {
+        Lanes8::prefetch(p, 0);
+        Lanes8::prefetch(p + stride, 0);
+    }
+    static I nibbles() { return _mm512_set1_epi8(15); }
+    static I low(I v, I mask) { return _mm512_and_si512(v, mask); }
+    static I high(I v, I mask) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), mask); }
+    static I codes4(const int8_t* p) {
+        int32_t v;
+        memcpy(&v, p, 4);
+        return _mm512_set1_epi32(v);
+    }
+    static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+    static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+    static I q8dot(I acc, I stored, I codes) { return _mm512_dpbusd_epi32(acc, stored, codes); }  // VNNI: as q8_dot_add
+    static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+    static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+    static F set1f(float v) { return _mm512_set1_ps(v); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+    template <typename Get> static F per_block(Get get, int64_t blk) {
+        return _mm512_insertf32x8(_mm512_castps256_ps512(get(blk)), get(blk + 1), 1);
+    }
+    static void store(const A8Out& out, int64_t row, int64_t blk, F v) {
+        out.store(row, blk, _mm512_castps512_ps256(v));
+        out.store(row, blk + 1, _mm512_extractf32x8_ps(v, 1));
+    }
+};
+#endif
+
+// MT rows × NT vectors of V::BLOCKS blocks of eight columns, rows m0 …, blocks b0 …
+template <int MT, int NT, typename V, typename Scales>
 void q4a8_tile(const uint8_t* q, const Scales& scales, int64_t K, const Act& a, int64_t m0, int64_t b0,
                const A8Out& out) {
-    const int64_t G = K / 32;
-    const __m256i nibble = _mm256_set1_epi8(15);
-    __m256 acc[MT][NT];
+    using I = typename V::I;
+    using F = typename V::F;
+    const int64_t G = K / 32, stride = K * 4, span = V::BLOCKS * stride;  // a block's bytes; a vector's blocks'
+    const I nibble = V::nibbles();
+    F acc[MT][NT];
     for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
-    const uint8_t* w = q + b0 * K * 4;  // the tile's blocks lie one after another, K * 4 bytes each
+        for (int n = 0; n < NT; ++n) acc[m][n] = V::zerof();
+    const uint8_t* w = q + b0 * stride;  // the tile's blocks lie one after another
     const int8_t* x = a.q.data() + m0 * K;
     for (int64_t g = 0; g < G; ++g) {
-        __m256i sums[MT][NT];
+        I sums[MT][NT];
         for (int m = 0; m < MT; ++m)
-            for (int n = 0; n < NT; ++n) sums[m][n] = _mm256_setzero_si256();
+            for (int n = 0; n < NT; ++n) sums[m][n] = V::zero();
         for (int64_t j = 4 * g; j < 4 * g + 4; ++j) {  // chunks of 8 elements
-            __m256i lo[NT], hi[NT];
+            I lo[NT], hi[NT];
             for (int n = 0; n < NT; ++n) {
-                const uint8_t* at = w + n * K * 4 + j * 32;
-                _mm_prefetch(reinterpret_cast<const char*>(at + NT * K * 4), _MM_HINT_T0);  // the next tile's
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-                lo[n] = _mm256_and_si256(v, nibble);
-                hi[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                const uint8_t* at = w + n * span + j * 32;
+                V::prefetch(at + NT * span, stride);  // the next tile's
+                const I v = V::load(at, stride);
+                lo[n] = V::low(v, nibble);
+                hi[n] = V::high(v, nibble);
             }
             for (int m = 0; m < MT; ++m) {
-                const __m256i xl = broadcast4(x + m * K + 8 * j), xh = broadcast4(x + m * K + 8 * j + 4);
-                for (int n = 0; n < NT; ++n) sums[m][n] = dot4_add(dot4_add(sums[m][n], lo[n], xl), hi[n], xh);
+                const I xl = V::codes4(x + m * K + 8 * j), xh = V::codes4(x + m * K + 8 * j + 4);
+                for (int n = 0; n < NT; ++n) sums[m][n] = V::dot(V::dot(sums[m][n], lo[n], xl), hi[n], xh);
             }
         }
-        __m256 sw[NT], mw[NT];
+        F sw[NT], mw[NT];
         for (int n = 0; n < NT; ++n) {
-            sw[n] = scales.s(b0 + n, g);
-            mw[n] = scales.m(b0 + n, g);
+            const int64_t blk = b0 + n * V::BLOCKS;
+            sw[n] = V::per_block([&](int64_t b) { return scales.s(b, g); }, blk);
+            mw[n] = V::per_block([&](int64_t b) { return scales.m(b, g); }, blk);
         }
         for (int m = 0; m < MT; ++m) {
-            const __m256 sx = _mm256_set1_ps(a.d[(m0 + m) * G + g]), xs = _mm256_set1_ps(a.sum[(m0 + m) * G + g]);
+            const F sx = V::set1f(a.d[(m0 + m) * G + g]), xs = V::set1f(a.sum[(m0 + m) * G + g]);
             for (int n = 0; n < NT; ++n) {
-                acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][n]), _mm256_mul_ps(sw[n], sx), acc[m][n]);
-                acc[m][n] = _mm256_fnmadd_ps(mw[n], xs, acc[m][n]);
+                acc[m][n] = V::fmadd(V::cvt(sums[m][n]), V::mul(sw[n], sx), acc[m][n]);
+                acc[m][n] = V::fnmadd(mw[n], xs, acc[m][n]);
             }
         }
     }
     for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NT; ++n) out.store(m0 + m, b0 + n, acc[m][n]);
+        for (int n = 0; n < NT; ++n) V::store(out, m0 + m, b0 + n * V::BLOCKS, acc[m][n]);
 }
 
-template <int MT, int NT, int GROUP, typename Scales>
+template <int MT, int NT, int GROUP, typename V, typename Scales>
 void q8a8_tile(const uint8_t* q, const Scales& scales, int64_t K, const Act& a, int64_t m0, int64_t b0,
                const A8Out& out) {
-    const int64_t G = K / GROUP, G32 = K / 32;
-    __m256 acc[MT][NT];
+    using I = typename V::I;
+    using F = typename V::F;
+    const int64_t G = K / GROUP, G32 = K / 32, stride = K * 8, span = V::BLOCKS * stride;
+    F acc[MT][NT];
     for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
-    const uint8_t* w = q + b0 * K * 8;
+        for (int n = 0; n < NT; ++n) acc[m][n] = V::zerof();
+    const uint8_t* w = q + b0 * stride;
     const int8_t* x = a.q.data() + m0 * K;
     for (int64_t g = 0; g < G; ++g) {
-        __m256i sums[MT][NT];
+        I sums[MT][NT];
         for (int m = 0; m < MT; ++m)
-            for (int n = 0; n < NT; ++n) sums[m][n] = _mm256_setzero_si256();
+            for (int n = 0; n < NT; ++n) sums[m][n] = V::zero();
         for (int64_t j = g * (GROUP / 4); j < (g + 1) * (GROUP / 4); ++j) {  // chunks of 4 elements
-            __m256i v[NT];
+            I v[NT];
             for (int n = 0; n < NT; ++n) {
-                const uint8_t* at = w + n * K * 8 + j * 32;
-                _mm_prefetch(reinterpret_cast<const char*>(at + NT * K * 8), _MM_HINT_T0);
-                v[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+                const uint8_t* at = w + n * span + j * 32;
+                V::prefetch(at + NT * span, stride);
+                v[n] = V::load(at, stride);
             }
             for (int m = 0; m < MT; ++m) {
-                const __m256i xv = broadcast4(x + m * K + 4 * j);
-                for (int n = 0; n < NT; ++n) sums[m][n] = q8_dot_add(sums[m][n], v[n], xv);
+                const I xv = V::codes4(x + m * K + 4 * j);
+                for (int n = 0; n < NT; ++n) sums[m][n] = V::q8dot(sums[m][n], v[n], xv);
             }
         }
-        __m256 sw[NT];
-        for (int n = 0; n < NT; ++n) sw[n] = scales.s(b0 + n, g);
+        F sw[NT];
+        for (int n = 0; n < NT; ++n) sw[n] = V::per_block([&](int64_t b) { return scales.s(b, g); }, b0 + n * V::BLOCKS);
         for (int m = 0; m < MT; ++m) {
             const int32_t* halves = a.csum.data() + (m0 + m) * (K / 16) + g * (GROUP / 16);
-            const __m256i off = _mm256_set1_epi32(q8_offset(GROUP == 16 ? halves[0] : halves[0] + halves[1]));
-            const __m256 sx = _mm256_set1_ps(a.d[(m0 + m) * G32 + g * GROUP / 32]);
+            const I off = V::set1(q8_offset(GROUP == 16 ? halves[0] : halves[0] + halves[1]));
+            const F sx = V::set1f(a.d[(m0 + m) * G32 + g * GROUP / 32]);
             for (int n = 0; n < NT; ++n)
-                acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[m][n], off)),
-                                            _mm256_mul_ps(sw[n], sx), acc[m][n]);
+                acc[m][n] = V::fmadd(V::cvt(V::sub(sums[m][n], off)), V::mul(sw[n], sx), acc[m][n]);
         }
     }
     for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NT; ++n) out.store(m0 + m, b0 + n, acc[m][n]);
+        for (int n = 0; n < NT; ++n) V::store(out, m0 + m, b0 + n * V::BLOCKS, acc[m][n]);
 }
 
-// Tile shapes by the call's rows, measured on the 2-core Zen 4 (docs/benchmarks.md). With AVX-512's 32
-// registers: up to 4 rows, q4 reads one block of columns at a time (one stream per thread prefetches best:
-// the gate projection at one row 0.40 → 0.32 ms against two blocks), q8 two; q4 takes 5 to 8 rows in one
-// tile over one block (8 rows 0.65 → 0.59 ms against 6 × 2; the down projection in q8 loses 6% so), and more
-// rows go 6 at a time over two blocks (at 256 rows 13.4 → 12.7 ms against 4 × 2). With AVX2's 16 (the
-// -march=haswell build on the same machine): 4 rows over one block throughout (8 rows 0.82 ms, against 1.01
-// for 2 × 2 and 0.86 for 3 × 1).
+// A tile of NT blocks: with Lanes16 two blocks are one wide vector, else NT vectors of one block.
+template <int MT, int NT, typename Run>
+inline void by_width(const Run& run) {
+#ifdef SPECVIZ_LANES16
+    if constexpr (NT == 2) return run(std::integral_constant<int, MT>{}, std::integral_constant<int, 1>{}, Lanes16{});
+#endif
+    run(std::integral_constant<int, MT>{}, std::integral_constant<int, NT>{}, Lanes8{});
+}
+
+// Tile shapes by the call's rows, measured on the 2-core Zen 4 (docs/benchmarks.md); a tile of 2 blocks is one
+// Lanes16 vector where the build has them. With AVX-512's 32 registers: up to 4 rows, q4 reads one block of
+// columns at a time (one stream per thread prefetches best: 24 gate and up projections streamed from DRAM at one
+// row 13.4 → 15.8 ms with two blocks), q8 two; more rows go 8 at a time over two blocks (streamed, 8 rows:
+// q4 27.6 → 25.4 ms, q8 24.3 → 19.5 ms against 8 × 1 and 6 × 2 narrow; q8 at 64 rows 5.5
+// → 5.2 ms against 6 × 2). With AVX2's 16 (the -march=haswell build on the same machine): 4 rows over one
+// block throughout (8 rows 0.82 ms, against 1.01 for 2 × 2 and 0.86 for 3 × 1).
 struct TileShape { int rows, blocks; };
-constexpr int A8_FEW_ROWS = 4, A8_MID_ROWS = 8;  // calls with at most this many rows use the _FEW / _MID shapes
-#ifdef __AVX512F__
-constexpr TileShape Q4_FEW{4, 1}, Q4_MID{8, 1}, Q8_FEW{4, 2}, A8_MANY{6, 2};
+constexpr int A8_FEW_ROWS = 4;  // calls with at most this many rows use the _FEW shapes
+#ifdef SPECVIZ_LANES16
+constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 2}, A8_MANY{8, 2};
 #else
-constexpr TileShape Q4_FEW{4, 1}, Q4_MID{4, 1}, Q8_FEW{4, 1}, A8_MANY{4, 1};
+constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 1}, A8_MANY{4, 1};
 #endif
 
 // Threads split the blocks of columns; within a tile of blocks, rows go S.rows at a time and the rest in one
@@ -554,7 +640,9 @@ void q8a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const Scales& 
     quantize(x, M, K, nthreads, a);
     const A8Out out{y, N, bias};
     auto tile = [&](auto mt, auto nt, int64_t m, int64_t b) {
-        q8a8_tile<decltype(mt)::value, decltype(nt)::value, GROUP>(q, scales, K, a, m, b, out);
+        by_width<decltype(mt)::value, decltype(nt)::value>([&](auto rows, auto vectors, auto lanes) {
+            q8a8_tile<rows.value, vectors.value, GROUP, decltype(lanes)>(q, scales, K, a, m, b, out);
+        });
     };
     if (M <= A8_FEW_ROWS) a8_matmul<Q8_FEW.rows, Q8_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
     else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
@@ -567,10 +655,11 @@ void q4a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const Scales& 
     quantize(x, M, K, nthreads, a);
     const A8Out out{y, N, bias};
     auto tile = [&](auto mt, auto nt, int64_t m, int64_t b) {
-        q4a8_tile<decltype(mt)::value, decltype(nt)::value>(q, scales, K, a, m, b, out);
+        by_width<decltype(mt)::value, decltype(nt)::value>([&](auto rows, auto vectors, auto lanes) {
+            q4a8_tile<rows.value, vectors.value, decltype(lanes)>(q, scales, K, a, m, b, out);
+        });
     };
     if (M <= A8_FEW_ROWS) a8_matmul<Q4_FEW.rows, Q4_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
-    else if (M <= A8_MID_ROWS) a8_matmul<Q4_MID.rows, Q4_MID.blocks>(M, (N + 7) / 8, nthreads, tile);
     else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
 }
 #endif

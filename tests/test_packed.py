@@ -261,7 +261,7 @@ def test_kernel_rows_are_bitwise_batch_invariant(kind, group, int8_activations):
 @A8
 def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
     """The 8-bit-activation kernels choose their instructions and tile by the machine they are built on
-    (vpdpbusd and 4-, 8- or 6-row tiles where AVX-512 VNNI is, vpmaddubsw and 4-row tiles on plain AVX2; q8's weights
+    (vpdpbusd, 512-bit vectors and 4- or 8-row tiles where AVX-512 VNNI is, vpmaddubsw and 4-row tiles on plain AVX2; q8's weights
     offset by 128 for vpdpbusd, its sign moved to the codes for vpmaddubsw). Their integer
     sums are exact either way and the float operations per output are the same, so the two builds must
     agree bit for bit: a trace's target does not depend on which of these CPUs ran it."""

@@ -3,6 +3,7 @@ layer-sharing draft, and, marked real, the embedded Whisper base on the bundled 
 
 from __future__ import annotations
 
+import copy
 import math
 
 from types import SimpleNamespace
@@ -11,11 +12,15 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from torch import nn
 from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-from specviz.speech.asr import SpeechPair, int8_layer_draft, layer_draft, load_speech_pair, word_error_rate
+from specviz.speech.asr import (SpeechPair, SpeechSource, WhisperDecoder, kernel_decoder, layer_draft, load_speech_pair,
+                                quantized_layer_draft, word_error_rate)
 from specviz.speech.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
 from specviz.config import SamplingConfig, SpecConfig
+from specviz.models import cpu_kernels
+from specviz.models.half_linear import HalfLinear
 from specviz.models.loading import ModelLoadError
 from specviz.text.prompts import ASSETS
 from specviz.runs.decode import transcribe as transcribe_clips
@@ -179,26 +184,34 @@ def test_several_clips_decode_as_one_batch(tiny_speech_pair):
         assert batched.outputs[i] == transcribe_clips(tiny_speech_pair, [clip], cfg, target_only=True).outputs[0]
 
 
-def test_int8_layer_draft_leaves_the_target_unquantized():
+def test_the_quantized_layer_draft_leaves_the_target_unquantized():
     target = tiny_whisper()
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    draft = int8_layer_draft(target, (0, 1, 3))
+    draft, kind = quantized_layer_draft(target, (0, 1, 3))
+    assert kind == ("4-bit" if cpu_kernels.has_int8_activations() else "int8")
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
     assert isinstance(target.model.decoder.layers[0].fc1, torch.nn.Linear)
     assert isinstance(target.model.decoder.layers[0].self_attn.q_proj, torch.nn.Linear)
     assert isinstance(target.proj_out, torch.nn.Linear) and not isinstance(draft.proj_out, torch.nn.Linear)
-    assert not isinstance(draft.model.decoder.layers[2].fc1, torch.nn.Linear)  # the draft's copy is int8
+    assert not isinstance(draft.model.decoder.layers[2].fc1, torch.nn.Linear)  # the draft's copy is quantized
     assert draft.model.encoder is target.model.encoder
 
 
+@pytest.mark.parametrize("fp16_target", [False, True])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 @pytest.mark.parametrize("confidence", [0.0, 0.5])
-def test_greedy_equality_with_the_int8_draft_and_a_reduced_head(draft_vocab, confidence):
-    """int8 copies of three of four layers, a head over 40 of 300 tokens (plus the specials), a draft-confidence
-    stop that ends rows at different points: three clips in one batch still give target-only's transcripts."""
+def test_greedy_equality_with_the_quantized_draft_and_a_reduced_head(draft_vocab, confidence, fp16_target):
+    """Quantized copies of three of four layers, a head over 40 of 300 tokens (plus the specials), a draft-confidence
+    stop that ends rows at different points: three clips in one batch still give target-only's transcripts; also
+    with the target's decoder on specviz's kernels (kernel_decoder, as the embedded Whisper runs on the CPU)."""
     target = tiny_whisper()
+    if fp16_target:
+        with torch.no_grad():
+            for p in target.parameters():
+                p.copy_(p.half().float())
+        assert kernel_decoder(target) == (4 * 10 + 1 if cpu_kernels.available() else 0)  # 10 linears a layer, the head
     processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
-    pair = SpeechPair(target, int8_layer_draft(target, (0, 1, 3)), processor, "tiny", "tiny int8")
+    pair = SpeechPair(target, quantized_layer_draft(target, (0, 1, 3))[0], processor, "tiny", "tiny quantized")
     clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((2.0, 4.0, 3.0))]
     cfg = SpecConfig(mode="exact", gamma_policy="bass", max_new_tokens=24, draft_vocab=draft_vocab,
                      draft_confidence=confidence)
@@ -221,7 +234,7 @@ def test_a_sampled_ragged_speech_batch_keeps_every_distribution_finite(seed):
     drafted token is the check."""
     target = tiny_whisper()
     processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
-    pair = SpeechPair(target, int8_layer_draft(target, (0, 1, 3)), processor, "tiny", "tiny int8")
+    pair = SpeechPair(target, quantized_layer_draft(target, (0, 1, 3))[0], processor, "tiny", "tiny quantized")
     clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((1.0, 7.0, 3.5))]
     cfg = SpecConfig(mode="exact", sampling=SamplingConfig(temperature=1.0), gamma_policy="bass", max_new_tokens=24,
                      draft_vocab=40, draft_confidence=0.5, seed=seed)
@@ -314,3 +327,52 @@ def test_rates_and_channels_give_the_same_transcript(base_pair, tmp_path):
         sf.write(path, clip, new_rate)
         text = transcribe(base_pair, load_audio(path), SpecConfig(max_new_tokens=200), target_only=True).output_text
         assert word_error_rate(base, text) <= 0.2, (new_rate, channels, base, text)  # resampling filters differ
+
+
+@pytest.mark.real
+def test_the_kernel_decoder_transcribes_as_the_fp32_decoder_does(base_pair):
+    """The embedded target runs its decoder on specviz's kernels (kernel_decoder: its own fp16 weights, the
+    batch-invariant attention): on the bundled clip the same tokens as with fp32 torch linears, teacher-forced
+    logits within fp32 rounding of theirs, and a verification call's rows the same bits as one-token steps (batch
+    invariant, which torch's linears and SDPA were not)."""
+    assert isinstance(base_pair.target.proj_out, HalfLinear)
+    assert all(isinstance(m, HalfLinear) for m in base_pair.target.model.decoder.layers[0].modules()
+               if isinstance(m, (nn.Linear, HalfLinear)))
+    assert "4-bit" in base_pair.draft_name or not cpu_kernels.has_int8_activations()
+    fp32 = copy.deepcopy(base_pair.target)
+    _dense_again(fp32)
+    audio = load_audio(SAMPLE)
+    ours = transcribe(base_pair, audio, SpecConfig(max_new_tokens=200), target_only=True)
+    theirs = transcribe(SpeechPair(fp32, base_pair.draft, base_pair.processor, "fp32", "d"), audio,
+                        SpecConfig(max_new_tokens=200), target_only=True)
+    assert ours.outputs == theirs.outputs
+    source = SpeechSource(base_pair, [("clip", audio)])
+    tokens = source.prompt + list(base_pair.processor.tokenizer(ours.output_text, add_special_tokens=False).input_ids)
+    _, half_dec = source.decoders([0], with_draft=False)
+    features = half_dec.encoder_out
+    fp32_dec = WhisperDecoder(fp32, features, len(source.prompt), source.suppress, source.begin)
+    with torch.inference_mode():
+        half_dec.prefill([tokens[:3]])
+        fp32_dec.prefill([tokens[:3]])
+        rest = tokens[3:]
+        a, b = half_dec.forward([rest], len(rest))[0], fp32_dec.forward([rest], len(rest))[0]
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite)
+        assert (a[finite] - b[finite]).abs().max() < 1e-3 * b[finite].abs().max()
+        half_dec.rollback([3])
+        for i, t in enumerate(rest[:12]):  # one token at a time: the bits of the long call's rows
+            assert torch.equal(half_dec.forward([[t]], 1)[0, 0], a[i]), f"position {i} differs from the long call"
+
+
+def _dense_again(module: nn.Module) -> None:
+    """Every HalfLinear under module back to an fp32 nn.Linear with the same weights, in place."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, HalfLinear):
+            dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+            with torch.no_grad():
+                dense.weight.copy_(child.weight.float())
+                if child.bias is not None:
+                    dense.bias.copy_(child.bias)
+            setattr(module, name, dense)
+        else:
+            _dense_again(child)

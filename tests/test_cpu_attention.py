@@ -49,6 +49,19 @@ def test_attention_equals_sdpa(B, H, Hkv, L, S, D):
     torch.testing.assert_close(got, sdpa(q, k, v, sees, D ** -0.5), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_without_a_mask_the_module_says_whether_rows_see_every_key(is_causal):
+    """transformers passes no mask to cross-attention (Whisper's decoder reading the encoder): a module that is
+    not causal sees every key; a causal one sees keys up to its own position."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 4, 30, 16, generator=g), torch.randn(2, 4, 30, 16, generator=g)
+    module = torch.nn.Module()
+    module.is_causal = is_causal
+    got, _ = cpu_attention._attention(module, q, k, v, None, scaling=0.25)
+    sees = torch.ones(2, 3, 30, dtype=torch.bool) if not is_causal else causal_with_padding(2, 3, 30, [0, 0])
+    torch.testing.assert_close(got, sdpa(q, k, v, sees, 0.25), rtol=2e-5, atol=2e-5)
+
+
 def test_a_rows_output_is_the_same_bits_in_any_call():
     g = torch.Generator().manual_seed(5)
     H, Hkv, D, S = 8, 2, 32, 50

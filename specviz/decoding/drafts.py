@@ -20,6 +20,7 @@ import warnings
 import torch
 from torch import nn
 
+from specviz.models.half_linear import HalfLinear
 from specviz.models.packed import PackedLinear
 
 LOOKUP_MAX_NGRAM = 3  # longest suffix matched; longer matches are tried first
@@ -38,6 +39,8 @@ def _rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     """A linear layer computing `head`'s outputs for rows `ids` only; int8 and packed heads stay so."""
     if isinstance(head, PackedLinear):  # its rows keep their own blocks and scales
         return head.select_rows(ids.to(head.q.device))
+    if isinstance(head, HalfLinear):
+        return HalfLinear(head.weight.index_select(0, ids), None if head.bias is None else head.bias[ids])
     qlinear = torch.ao.nn.quantized.dynamic.Linear
     if isinstance(head, qlinear):
         weight = head.weight()  # per-tensor int8: rows keep the same scale
@@ -83,7 +86,7 @@ def _device(head: nn.Module) -> torch.device:
         return torch.device("cpu")
     if isinstance(head, PackedLinear):
         return head.q.device
-    return head.weight.device
+    return head.weight.device  # nn.Linear, HalfLinear
 
 
 def subset_head(model: nn.Module, vocab_size: int, k: int, always: set[int]) -> SubsetHead | None:

@@ -32,7 +32,9 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError("the specviz CPU attention is for inference only (dropout 0)")
     B, H, L, D = query.shape
     S = key.shape[2]
-    if attention_mask is None:  # never from our mask function; a plain causal call over a fresh sequence
+    if attention_mask is None and not getattr(module, "is_causal", True):  # cross-attention: every key
+        sees = torch.ones(B, L, S, dtype=torch.bool)
+    elif attention_mask is None:  # never from our mask function; a plain causal call over a fresh sequence
         sees = torch.ones(L, S, dtype=torch.bool).tril(S - L).expand(B, L, S)
     else:
         sees = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0

@@ -71,6 +71,17 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     return y
 
 
+def f16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 contiguous (K a multiple of 8), weight [N, K] fp16 contiguous, bias [N] fp32 or None -> y [M, N]
+    fp32 (kernels/half_matmul_cpu.cpp: any M, each row's outputs the same bits whatever else is in the call)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=torch.float32)
+    library().specviz_f16_matmul(x.data_ptr(), M, K, weight.data_ptr(), N, address(bias), y.data_ptr(),
+                                 torch.get_num_threads())
+    return y
+
+
 # The 8-bit-activation kernels read their weights interleaved: eight output columns side by side
 # (kernels/qmatmul_cpu.cpp has the byte layout). N8 = ceil(N / 8), the number of 8-column blocks.
 

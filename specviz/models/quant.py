@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from specviz.models.gguf_pack import Packed
-from specviz.models.packed import apply_packed
+from specviz.models.half_linear import HalfLinear
+from specviz.models.packed import PackedLinear, apply_packed
 
 
 def quantize_draft_int8(model: nn.Module) -> nn.Module:
@@ -61,3 +62,15 @@ def quantize_draft_q4(model: nn.Module) -> nn.Module:
     never the output's distribution)."""
     blocks = {name: q4_blocks(m.weight) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     return apply_packed(model, blocks, int8_activations=True)
+
+
+def q4_linears(module: nn.Module) -> nn.Module:
+    """Every linear layer under `module` (nn.Linear or HalfLinear) as a PackedLinear of its q4_blocks with 8-bit
+    activations, in place: quantize_draft_q4 for a part of a model (Whisper's layer draft), with no attention or
+    config of its own to change."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, (nn.Linear, HalfLinear)):
+            setattr(module, name, PackedLinear(q4_blocks(child.weight.float()), child.bias, int8_activations=True))
+        else:
+            q4_linears(child)
+    return module

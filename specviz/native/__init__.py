@@ -25,7 +25,8 @@ from typing import Callable
 from specviz.cache import cache_dir
 from specviz.paths import KERNELS
 
-SOURCES = [KERNELS / name for name in ("qmatmul_cpu.cpp", "attention_cpu.cpp", "decoder_cpu.cpp", "verify_cpu.cpp")]
+SOURCES = [KERNELS / name for name in ("qmatmul_cpu.cpp", "half_matmul_cpu.cpp", "attention_cpu.cpp",
+                                        "decoder_cpu.cpp", "verify_cpu.cpp")]
 HEADERS = [KERNELS / "vector_math.h"]  # included by the sources: part of what a build is keyed by
 
 
@@ -147,6 +148,8 @@ def _load() -> ctypes.CDLL:
     lib.specviz_q4_interleave.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
     lib.specviz_q8_interleave.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
     functions += [lib.specviz_q4_interleave, lib.specviz_q8_interleave]
+    lib.specviz_f16_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, cint]
+    functions.append(lib.specviz_f16_matmul)
     f32 = ctypes.c_float
     lib.specviz_row_lse.argtypes = [ptr, i64, i64, i64, i64, i64, f32, ptr, cint]
     lib.specviz_residual_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,

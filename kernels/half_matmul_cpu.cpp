@@ -1,0 +1,118 @@
+// y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias) for fp16 weights and fp32 activations and outputs: Whisper's decoder,
+// whose weights are fp16 (read as fp16, they are exactly the model's; widening each to fp32 is exact).
+//
+// Why: torch's fp32 linear on the CPU picks its blocking by the number of rows, and on the 2-core Zen 4 it costs
+// more for 2 rows than for 1 (Whisper base's output head, 51,865 × 512: 9.7 ms at one row, 22.4 at two, 32.4 at
+// three), so verifying γ + 1 drafted tokens cost up to twice a step. Here W is read once per call in half the bytes
+// of fp32 and shared by every row: a call costs about its weights' bytes at any row count up to ~8.
+//
+// Batch invariance is the contract: every (row, column) output accumulates x · w in one 8-lane fp32 vector, walking
+// K in order, with one fixed-order reduction of its lanes at the end; tiles only decide which outputs share a
+// weight load. So a row's outputs are the same bits whatever M is and whichever rows share its tile, and the
+// AVX-512, AVX2 and portable builds agree (fmaf rounds as the FMA instruction does).
+//
+// Layouts: x [M, K] fp32, W [N, K] fp16 (uint16 bits), bias [N] fp32 or null, y [M, N] fp32; K a multiple of 8.
+// Built with the other kernels into one library (specviz.native).
+
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPECVIZ_HALF_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t COLUMNS = 4;  // weight rows (output columns) per tile: their loads are shared by the tile's rows
+// Rows per tile: each weight vector is widened once per tile, so more rows convert less; AVX-512's 32 registers
+// hold 4 × 4 accumulators besides the 4 weights and an input, AVX2's 16 hold 2 × 4.
+#ifdef __AVX512F__
+constexpr int ROWS = 4;
+#else
+constexpr int ROWS = 2;
+#endif
+
+#ifdef SPECVIZ_HALF_AVX2
+inline float lanes_sum(__m256 v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), as the portable path
+    alignas(32) float l[8];
+    _mm256_store_ps(l, v);
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// MT rows from m0 × NT columns from n0
+template <int MT, int NT>
+void tile(const float* x, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y, int64_t m0, int64_t n0) {
+    __m256 acc[MT][NT];
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv[NT];
+        for (int n = 0; n < NT; ++n)
+            wv[n] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n0 + n) * K + k)));
+        for (int m = 0; m < MT; ++m) {
+            const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);
+            for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+        }
+    }
+    for (int m = 0; m < MT; ++m)
+        for (int n = 0; n < NT; ++n)
+            y[(m0 + m) * N + n0 + n] = lanes_sum(acc[m][n]) + (bias ? bias[n0 + n] : 0.0f);
+}
+
+// all M rows of columns [n0, n0 + NT): ROWS at a time, then the rest one by one (the same operations per row)
+template <int NT>
+void columns(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y, int64_t n0) {
+    int64_t m = 0;
+    for (; m + ROWS <= M; m += ROWS) tile<ROWS, NT>(x, K, w, N, bias, y, m, n0);
+    for (; m < M; ++m) tile<1, NT>(x, K, w, N, bias, y, m, n0);
+}
+#else
+inline float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 31, mant = h & 1023;
+    uint32_t bits;
+    if (exp == 31) bits = sign | 0x7f800000 | (mant << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (mant << 13);
+    else if (mant == 0) bits = sign;
+    else {  // subnormal: normalize
+        int e = -1;
+        uint32_t m = mant;
+        do { m <<= 1; ++e; } while (!(m & 1024));
+        bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((m & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// one column for all rows, eight lanes as the vector path keeps them
+void column(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y, int64_t n) {
+    for (int64_t m = 0; m < M; ++m) {
+        float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t k = 0; k < K; k += 8)
+            for (int j = 0; j < 8; ++j) l[j] = __builtin_fmaf(x[m * K + k + j], half_to_float(w[n * K + k + j]), l[j]);
+        y[m * N + n] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])) + (bias ? bias[n] : 0.0f);
+    }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+void specviz_f16_matmul(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y,
+                        int nthreads) {
+    // threads split the columns in contiguous ranges: each streams its own part of W once
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += COLUMNS) {
+#ifdef SPECVIZ_HALF_AVX2
+        if (N - n0 >= COLUMNS) columns<COLUMNS>(x, M, K, w, N, bias, y, n0);
+        else
+            for (int64_t n = n0; n < N; ++n) columns<1>(x, M, K, w, N, bias, y, n);
+#else
+        for (int64_t n = n0; n < N && n < n0 + COLUMNS; ++n) column(x, M, K, w, N, bias, y, n);
+#endif
+    }
+}
+
+}  // extern "C"

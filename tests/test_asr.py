@@ -17,6 +17,7 @@ from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtracto
 
 from specviz.speech.asr import (SpeechPair, SpeechSource, WhisperDecoder, kernel_decoder, layer_draft, load_speech_pair,
                                 quantized_layer_draft, word_error_rate)
+from specviz.speech import lean_decoder
 from specviz.speech.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.models import cpu_kernels
@@ -210,8 +211,10 @@ def test_greedy_equality_with_the_quantized_draft_and_a_reduced_head(draft_vocab
             for p in target.parameters():
                 p.copy_(p.half().float())
         assert kernel_decoder(target) == (4 * 10 + 1 if cpu_kernels.available() else 0)  # 10 linears a layer, the head
+        lean_decoder.attach(target)
     processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
-    pair = SpeechPair(target, quantized_layer_draft(target, (0, 1, 3))[0], processor, "tiny", "tiny quantized")
+    pair = SpeechPair(target, lean_decoder.attach(quantized_layer_draft(target, (0, 1, 3))[0]), processor, "tiny",
+                      "tiny quantized")
     clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((2.0, 4.0, 3.0))]
     cfg = SpecConfig(mode="exact", gamma_policy="bass", max_new_tokens=24, draft_vocab=draft_vocab,
                      draft_confidence=confidence)
@@ -362,6 +365,41 @@ def test_the_kernel_decoder_transcribes_as_the_fp32_decoder_does(base_pair):
         half_dec.rollback([3])
         for i, t in enumerate(rest[:12]):  # one token at a time: the bits of the long call's rows
             assert torch.equal(half_dec.forward([[t]], 1)[0, 0], a[i]), f"position {i} differs from the long call"
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.has_int8_activations(),
+                    reason="the lean decoder needs the AVX2 build of the CPU kernels")
+def test_the_lean_decoder_gives_transformers_bits():
+    """speech.lean_decoder against transformers' Whisper decoder on the same modules (the kernel decoder's target
+    and its 4-bit layer draft): prefill, ragged feeds, a rollback and the reduced head, bit for bit."""
+    target = tiny_whisper()
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(p.half().float())
+    kernel_decoder(target)
+    draft = quantized_layer_draft(target, (0, 1, 3))[0]
+    processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
+    pair = SpeechPair(target, draft, processor, "tiny", "tiny quantized")
+    clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((2.0, 3.0))]
+    for model in (target, draft):
+        lean_decoder.attach(model)
+        assert model.lean_decoder is not None
+        lean = model.lean_decoder
+        for head_size in (0, 40):
+            runs = []
+            for use in (lean, None):
+                model.lean_decoder = use
+                source = SpeechSource(pair, clips, draft_vocab=head_size)
+                d, t = source.decoders([0, 1], with_draft=True)
+                dec = t if model is target else d
+                dec.prefill([source.prompt, source.prompt])
+                out = [dec.forward([[7, 8, 9], [10]], 3)]
+                dec.rollback([len(source.prompt) + 1, len(source.prompt)])
+                out.append(dec.forward([[11, 12], [13, 14]], 2))
+                runs.append(out)
+            model.lean_decoder = lean
+            assert all(torch.equal(a, b) for a, b in zip(*runs)), f"head {head_size}: the lean decoder's bits differ"
+    assert lean_decoder.attach(tiny_whisper()).lean_decoder is None  # torch linears: transformers' forward
 
 
 def _dense_again(module: nn.Module) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache, WhisperForConditionalGeneration, WhisperProcessor
 
+from specviz.speech import lean_decoder
 from specviz.speech.audio import SAMPLE_RATE, windows
 from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.drafts import SubsetHead, draft_head_size, special_ids, subset_head
@@ -172,15 +173,16 @@ def load_speech_pair(
                 d_model, kind = layer_draft(t_model, layers), ""
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
-        suffix = f" ({kind})" if kind else ""
-        return SpeechPair(t_model, d_model, processor, t_name, f"{t_name} decoder layers {list(layers)}{suffix}")
-    d_model, d_proc = load_whisper(draft, device=t_model.device, dtype=t_model.dtype, progress=progress)
-    check_speech_pair(d_model, d_proc, t_model, processor, draft, t_name)
-    if quantized_draft:
-        d_model = quantize_draft_int8(d_model)
+        d_name = f"{t_name} decoder layers {list(layers)}" + (f" ({kind})" if kind else "")
     else:
-        kernel_decoder(d_model)
-    return SpeechPair(t_model, d_model, processor, t_name, draft + (" (int8)" if quantized_draft else ""))
+        d_model, d_proc = load_whisper(draft, device=t_model.device, dtype=t_model.dtype, progress=progress)
+        check_speech_pair(d_model, d_proc, t_model, processor, draft, t_name)
+        if quantized_draft:
+            d_model = quantize_draft_int8(d_model)
+        else:
+            kernel_decoder(d_model)
+        d_name = draft + (" (int8)" if quantized_draft else "")
+    return SpeechPair(lean_decoder.attach(t_model), lean_decoder.attach(d_model), processor, t_name, d_name)
 
 
 class WhisperDecoder(SlottedDecoder):
@@ -208,7 +210,11 @@ class WhisperDecoder(SlottedDecoder):
         encoder_out = self.encoder_out if len(rows) == self.encoder_out.shape[0] else self.encoder_out[rows]
         inputs = dict(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,), decoder_attention_mask=attention_mask.long(),
                       decoder_position_ids=position_ids, past_key_values=cache, use_cache=True)
-        if self.head is None:
+        lean = getattr(self.model, "lean_decoder", None)  # speech.lean_decoder.attach, where it applies
+        if lean is not None:
+            hidden = lean.hidden(input_ids, attention_mask, position_ids, cache, encoder_out, keep)  # [b, keep, d]
+            logits = (self.model.proj_out(hidden) if self.head is None else self.head(hidden)).float()
+        elif self.head is None:
             logits = self.model(**inputs).logits[:, -keep:].float()  # [b, keep, V]
         else:  # the reduced draft head: only its rows of the output projection are computed
             logits = self.head(self.model.model(**inputs).last_hidden_state[:, -keep:])

@@ -1,0 +1,119 @@
+"""A lean forward for Whisper's decoder on the CPU kernels: one function walks the layers with explicit state, as
+models/lean.py does for the text models, instead of transformers' modules.
+
+Why: with its linear layers on the fp16 kernel, the embedded target's step was 10.9 ms, of which ~3.6 ms was
+transformers' per-layer plumbing (module calls, keyword arguments, mask and cache bookkeeping, ~2,800 op
+dispatches a step), and the 4-bit draft's 4.5 ms held ~2.3 (torch.profiler and cProfile, docs/benchmarks.md).
+
+Every number is computed by the same operations in the same order as transformers' Whisper decoder on the same
+modules (the positional and token embeddings' sum, pre-norm layers, queries scaled before attention, the
+batch-invariant attention with scale 1, GELU, residuals, the final norm), so the logits are the same bits
+(tests/test_asr.py). Only the head differs in what it is given: the last `keep` rows instead of all of them,
+which the batch-invariant kernels score row by row. Used only where every decoder linear layer is on specviz's
+kernels and the decoder's attention is the batch-invariant one (speech.asr.kernel_decoder); else transformers'.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from specviz.models import cpu_attention, cpu_kernels
+from specviz.models.half_linear import HalfLinear
+from specviz.models.packed import PackedLinear
+
+_KERNEL_LINEARS = (HalfLinear, PackedLinear)
+
+
+def _linears(layer: nn.Module) -> list[nn.Module]:
+    s, c = layer.self_attn, layer.encoder_attn
+    return [s.q_proj, s.k_proj, s.v_proj, s.out_proj, c.q_proj, c.k_proj, c.v_proj, c.out_proj, layer.fc1, layer.fc2]
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `model` (a WhisperForConditionalGeneration) is one this forward runs: its decoder's attention the
+    batch-invariant one and every decoder linear layer and the head on specviz's kernels."""
+    decoder = model.model.decoder
+    if decoder.config._attn_implementation != cpu_attention.NAME or not cpu_kernels.has_attention():
+        return False
+    if decoder.config.activation_function != "gelu":
+        return False
+    return isinstance(model.proj_out, _KERNEL_LINEARS) and all(
+        isinstance(m, _KERNEL_LINEARS) for layer in decoder.layers for m in _linears(layer))
+
+
+def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:  # nn.LayerNorm's forward
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+class LeanWhisperDecoder:
+    """The decoder forward of one supported model. Holds references to the model's own modules; read-only after
+    construction, so one instance serves any number of decoders and threads."""
+
+    def __init__(self, model: nn.Module):
+        decoder = model.model.decoder
+        self.embed = decoder.embed_tokens.weight  # [V, d]
+        self.positions = decoder.embed_positions.weight  # [max positions, d]
+        self.layers = list(decoder.layers)
+        self.norm = decoder.layer_norm
+        self.head = model.proj_out
+        self.heads = decoder.config.decoder_attention_heads
+        self.head_dim = decoder.config.d_model // self.heads
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+        """q [B, W, d] (scaled), keys/values [B, H, S, D] -> [B, W, d]"""
+        B, W, _ = q.shape
+        q = q.view(B, W, self.heads, self.head_dim).transpose(1, 2).contiguous()  # [B, H, W, D]
+        return cpu_kernels.attention(q, keys, values, sees, 1.0).reshape(B, W, -1).contiguous()
+
+    def _cross(self, i: int, layer: nn.Module, cache, encoder_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's cross-attention keys and values [B, H, frames, D]: computed on a window's first call, then
+        read from the cache as transformers' Whisper does."""
+        cross = cache.cross_attention_cache
+        if cache.is_updated.get(i):
+            return cross.layers[i].keys, cross.layers[i].values
+        B = encoder_out.shape[0]
+        shape = (B, -1, self.heads, self.head_dim)
+        a = layer.encoder_attn
+        k = a.k_proj(encoder_out).view(shape).transpose(1, 2).contiguous()
+        v = a.v_proj(encoder_out).view(shape).transpose(1, 2).contiguous()
+        cache.is_updated[i] = True
+        return cross.update(k, v, i)
+
+    def hidden(self, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, cache,
+               encoder_out: torch.Tensor, keep: int) -> torch.Tensor:
+        """input_ids, positions [B, W]; valid [B, L + W] bool, the self-attention cache's slots and the new ones
+        (True: a real token); cache: an EncoderDecoderCache whose self-attention part holds L slots, to which
+        the W new ones are appended; encoder_out [B, frames, d] -> the final norm's output [B, keep, d]."""
+        B, W = input_ids.shape
+        past = cache.self_attention_cache.get_seq_length()
+        slots = past + W
+        # the mask transformers' sdpa_mask builds: key j is seen by new column i when it is a real token no later
+        # than i's own slot; cross-attention sees every frame
+        causal = torch.arange(slots)[None, :] <= (past + torch.arange(W))[:, None]  # [W, L + W]
+        sees = (valid[:, None, :] & causal[None]).to(torch.uint8).contiguous()  # [B, W, L + W]
+        sees_all = torch.ones((B, W, encoder_out.shape[1]), dtype=torch.uint8)
+        hidden = F.embedding(input_ids, self.embed) + self.positions[positions]  # [B, W, d]
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            x = _layer_norm(hidden, layer.self_attn_layer_norm)
+            q = a.q_proj(x) * a.scaling
+            k = a.k_proj(x).view(B, W, self.heads, self.head_dim).transpose(1, 2).contiguous()
+            v = a.v_proj(x).view(B, W, self.heads, self.head_dim).transpose(1, 2).contiguous()
+            keys, values = cache.self_attention_cache.update(k, v, i)  # views [B, H, L + W, D]
+            hidden = hidden + a.out_proj(self._attend(q, keys, values, sees))
+            c = layer.encoder_attn
+            x = _layer_norm(hidden, layer.encoder_attn_layer_norm)
+            keys, values = self._cross(i, layer, cache, encoder_out)
+            hidden = hidden + c.out_proj(self._attend(c.q_proj(x) * c.scaling, keys, values, sees_all))
+            x = _layer_norm(hidden, layer.final_layer_norm)
+            hidden = hidden + layer.fc2(F.gelu(layer.fc1(x)))
+        return _layer_norm(hidden[:, -keep:], self.norm)
+
+
+def attach(model: nn.Module) -> nn.Module:
+    """Give `model` its lean decoder as `model.lean_decoder` where `supports(model)`, else None there (set either
+    way: a layer draft is a copy of its target and must not inherit the target's). Returns the model."""
+    model.lean_decoder = LeanWhisperDecoder(model) if supports(model) else None
+    return model

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-from specviz.speech.asr import (SpeechPair, SpeechSource, WhisperDecoder, kernel_decoder, layer_draft, load_speech_pair,
-                                quantized_layer_draft, word_error_rate)
+from specviz.speech.asr import (SpeechPair, SpeechSource, WhisperDecoder, decoder_weights, kernel_decoder, layer_draft,
+                                load_speech_pair, quantized_layer_draft, word_error_rate)
 from specviz.speech import lean_decoder
 from specviz.speech.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
 from specviz.config import SamplingConfig, SpecConfig
@@ -342,6 +342,10 @@ def test_the_kernel_decoder_transcribes_as_the_fp32_decoder_does(base_pair):
     assert all(isinstance(m, HalfLinear) for m in base_pair.target.model.decoder.layers[0].modules()
                if isinstance(m, (nn.Linear, HalfLinear)))
     assert "4-bit" in base_pair.draft_name or not cpu_kernels.has_int8_activations()
+    assert decoder_weights(base_pair.target) == ("fp16 weights, specviz fp16-weight kernel, batch-invariant attention, "
+                                                 "lean forward")
+    assert decoder_weights(base_pair.draft).startswith("Q4 (re-quantized by specviz) blocks")
+    assert decoder_weights(tiny_whisper()).startswith("dense float32, ")
     fp32 = copy.deepcopy(base_pair.target)
     _dense_again(fp32)
     audio = load_audio(SAMPLE)

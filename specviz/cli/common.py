@@ -72,8 +72,8 @@ def add_common(p: argparse.ArgumentParser, inputs: str = "text") -> None:
     m.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     m.add_argument("--quantized-draft", action=argparse.BooleanOptionalAction, default=None,
                    help="a quantized draft on the CPU (default: on there): text, 4 bits per weight on specviz's kernels "
-                   "where they build with AVX2, else int8; speech, int8. --no-quantized-draft: the draft follows "
-                   "--weights. The target is never re-quantized")
+                   "where they build with AVX2, else int8; speech, the same for its layer draft. --no-quantized-draft: "
+                   "the draft follows --weights. The target is never re-quantized")
     add_flags(m, ["draft_kind", "lookup_ngram", "draft_vocab"])
     add_flags(p.add_argument_group("sampling (applied identically to draft and target)"),
               ["temperature", "top_k", "top_p", "seed"])

@@ -24,6 +24,7 @@ from specviz.models.loading import DEFAULT, ModelLoadError, OnTarget, Progress, 
 from specviz.models.kv_cache import BufferedCache
 from specviz.models import cpu_attention, cpu_kernels
 from specviz.models.half_linear import HalfLinear, halve_linears
+from specviz.models.packed import PackedLinear
 from specviz.models.quant import q4_linears, quantize_draft_int8
 from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names
 from specviz.speech.whisper_loader import load_whisper
@@ -97,6 +98,24 @@ def kernel_decoder(model: WhisperForConditionalGeneration) -> int:
             if getattr(module, "config", None) is not None:
                 module.config = config
     return changed
+
+
+def decoder_weights(model: WhisperForConditionalGeneration) -> str:
+    """What a Whisper decoder's layers run on, named in traces as the text models' are (models.packed.describe)."""
+    decoder = model.model.decoder
+    fc1 = decoder.layers[0].fc1
+    if isinstance(fc1, HalfLinear):
+        linears = "fp16 weights, specviz fp16-weight kernel"
+    elif isinstance(fc1, PackedLinear):
+        linears = f"{fc1.source} blocks, specviz {cpu_kernels.isa()} kernel, int8 activations (per row, groups of 32)"
+    elif isinstance(fc1, nn.Linear):
+        linears = f"dense {str(fc1.weight.dtype).removeprefix('torch.')}"
+    else:
+        linears = "dense int8 (dynamic quantization)"
+    implementation = decoder.config._attn_implementation
+    attention = "batch-invariant attention" if implementation == cpu_attention.NAME else f"{implementation} attention"
+    lean = ", lean forward" if getattr(model, "lean_decoder", None) is not None else ""
+    return f"{linears}, {attention}{lean}"
 
 
 def quantized_layer_draft(target: WhisperForConditionalGeneration, layers: tuple[int, ...]
@@ -295,6 +314,7 @@ class SpeechSource:
                 "device": device_name(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
                 "vocab_size": pair.vocab_size, "draft_vocab_size": draft_head_size(self.draft_head, pair.vocab_size),
                 "audio_seconds": sum(self.clip_seconds), "language": self.language,
+                "draft_weights": decoder_weights(pair.draft), "target_weights": decoder_weights(pair.target),
                 "prompt_text": pair.processor.tokenizer.decode(self.prompt)}
 
 

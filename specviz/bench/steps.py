@@ -14,6 +14,7 @@ import torch
 from specviz.bench.measure import _median_us
 from specviz.bench.roofline import INT8_LINEAR, linear_time, model_linears
 from specviz.models import native_forward
+from specviz.decoding.drafts import SubsetHead
 from specviz.models.packed import PackedLinear
 from specviz.text.source import CausalLMDecoder
 
@@ -21,7 +22,7 @@ from specviz.text.source import CausalLMDecoder
 
 @torch.inference_mode()
 def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: int = 5,
-               warmup: int = 2) -> dict:
+               warmup: int = 2, head: SubsetHead | None = None) -> dict:
     """{"prefill_s": seconds for the prompt, "steps": [{"tokens": M, "seconds": median, "ratio": to M = 1,
     "linear_share": the fraction of a step inside the linear layers, "outside": {kind: fraction of a step} for
     the rest where the native layers time it (norm, rotary_cache, attention, swiglu, residual, and "other": the
@@ -58,19 +59,28 @@ def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: 
     return {"prefill_s": prefill_s, "prompt_tokens": len(prompt), "steps": rows}
 
 
-def weight_bytes(model) -> int:
-    """Bytes of linear-layer weights one step reads (packed blocks and scales, or dense/int8 tensors)."""
-    total = 0
-    for m in model_linears(model):
-        if isinstance(m, PackedLinear):
-            total += m.nbytes
-        elif isinstance(m, INT8_LINEAR):
-            total += m.weight().numel()
-        else:
-            total += m.weight.numel() * m.weight.element_size()
+def _linear_bytes(m) -> int:
+    if isinstance(m, PackedLinear):
+        return m.nbytes
+    if isinstance(m, INT8_LINEAR):
+        return m.weight().numel()
+    return m.weight.numel() * m.weight.element_size()
+
+
+def weight_bytes(model, head: SubsetHead | None = None) -> int:
+    """Bytes of linear-layer weights one step reads (packed blocks and scales, or dense/int8 tensors); with a
+    reduced head, its rows in place of the model's output head."""
+    total = sum(_linear_bytes(m) for m in model_linears(model))
+    if head is not None:
+        total += _linear_bytes(head.linear) - _linear_bytes(model.get_output_embeddings())
     return total
 
 
-def linear_params(model) -> int:
-    """Multiply-adds per token in linear layers (the output head counted once per scored token)."""
-    return sum(m.in_features * m.out_features for m in model_linears(model))
+def linear_params(model, head: SubsetHead | None = None) -> int:
+    """Multiply-adds per token in linear layers (the output head counted once per scored token; with a reduced
+    head, its rows instead)."""
+    total = sum(m.in_features * m.out_features for m in model_linears(model))
+    if head is not None:
+        full = model.get_output_embeddings()
+        total += head.linear.in_features * head.size - full.in_features * full.out_features
+    return total

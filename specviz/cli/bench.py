@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from specviz.cli import common
-from specviz.config import SpecConfig
+from specviz.config import TEXT_DRAFT, SpecConfig
 from specviz import machine
 from specviz.text.prompts import InputError
 from specviz.runs.decode import run
@@ -90,6 +90,9 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+REDUCED = "4-bit 32K"  # bench-steps' row for the 4-bit draft scoring the 32,768-token head a text run's draft scores
+
+
 def cmd_bench_steps(args: argparse.Namespace) -> int:
     """One model call's cost by weights format: prefill, and a step scoring M tokens, against this machine's
     read bandwidth and int8 peak (docs/benchmarks.md, "Roofline")."""
@@ -97,6 +100,7 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
 
     from specviz.bench.roofline import int8_peak, read_bandwidth
     from specviz.bench.steps import linear_params, step_costs, weight_bytes
+    from specviz.decoding.drafts import special_ids, subset_head
     from specviz.models import lean
     from specviz.models import cpu_kernels
     from specviz.models.loading import load_model, parse_dtype
@@ -106,8 +110,8 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
     article = common.articles(args)[0][1]
     device = torch.device(args.device or "cpu")
     variants = [(role, w) for role in ("target", "draft") for w in args.weights_list]
-    if "packed-a8" in args.weights_list:
-        variants.append(("draft", "4-bit"))  # the CPU's default draft (models/quant.py)
+    if "packed-a8" in args.weights_list:  # the CPU's default draft (models/quant.py), and with the head a run scores
+        variants += [("draft", "4-bit"), ("draft", REDUCED)]
     if "dense" in args.weights_list:
         variants.append(("draft", "dense int8"))
     bandwidth, peak = read_bandwidth(), int8_peak()
@@ -115,17 +119,19 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
     rows = []
     for role, weights in tqdm(variants, desc="bench-steps", unit="model", file=sys.stderr):
         name = args.target if role == "target" else args.draft
-        base = "dense" if weights in ("4-bit", "dense int8") else weights
+        base = "dense" if weights in ("4-bit", REDUCED, "dense int8") else weights
         model, tokenizer, label = load_model(name, role, device=device, dtype=parse_dtype(args.dtype or "fp32"),
                                              weights=base)
         if weights == "dense int8":
             model = quantize_draft_int8(model)
-        elif weights == "4-bit":
+        elif weights in ("4-bit", REDUCED):
             model = lean.attach(quantize_draft_q4(model))
         prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))
-        costs = step_costs(model, model.config.vocab_size, prompt[:-1], args.tokens, repeat=args.repeat)
-        rows.append({"role": role, "model": label, "weights": weights, "bytes_per_step": weight_bytes(model),
-                     "linear_macs_per_token": linear_params(model), **costs})
+        head = (subset_head(model, model.config.vocab_size, TEXT_DRAFT.draft_vocab, special_ids(tokenizer) | set(prompt))
+                if weights == REDUCED else None)
+        costs = step_costs(model, model.config.vocab_size, prompt[:-1], args.tokens, repeat=args.repeat, head=head)
+        rows.append({"role": role, "model": label, "weights": weights, "bytes_per_step": weight_bytes(model, head),
+                     "linear_macs_per_token": linear_params(model, head), **costs})
         del model
     print(f"{'role':6s} {'weights':11s} {'GB/step':>7s} {'prefill s':>9s} " + " ".join(f"{m:>9d}" for m in args.tokens)
           + "   (ms per step scoring M tokens; × its 1-token step)")

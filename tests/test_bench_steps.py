@@ -1,0 +1,48 @@
+"""bench-steps' measurement (specviz/bench/steps.py) on a tiny model: what a call is timed over, the bytes and
+multiply-adds a step is credited with, and a reduced draft head counted as a run's draft scores it."""
+
+import pytest
+import torch
+
+from specviz.bench.steps import linear_params, step_costs, weight_bytes
+from specviz.decoding.drafts import subset_head
+from specviz.models import cpu_kernels, lean
+from specviz.models.quant import quantize_draft_q4
+
+from conftest import tiny_qwen
+
+
+@pytest.fixture(scope="module")
+def tiny_4bit():
+    if not cpu_kernels.available() or not cpu_kernels.has_int8_activations():
+        pytest.skip("the 4-bit draft needs the AVX2 build of the CPU kernels")
+    return lean.attach(quantize_draft_q4(tiny_qwen(3, vocab_size=512)))
+
+
+def test_steps_are_timed_per_token_count_and_leave_the_cache_as_they_found_it(tiny_4bit):
+    prompt = list(range(5, 45))
+    costs = step_costs(tiny_4bit, 512, prompt, [1, 2, 4], repeat=2, warmup=1)
+    assert costs["prompt_tokens"] == 40 and costs["prefill_s"] > 0
+    assert [s["tokens"] for s in costs["steps"]] == [1, 2, 4]
+    assert costs["steps"][0]["ratio"] == 1.0
+    for s in costs["steps"]:
+        assert s["seconds"] > 0 and 0 < s["linear_share"] <= 1
+        assert s["ratio"] == pytest.approx(s["seconds"] / costs["steps"][0]["seconds"])
+
+
+def test_a_reduced_head_is_credited_with_its_rows_only(tiny_4bit):
+    head = subset_head(tiny_4bit, 512, 64, {511, 300})  # the first 64 ids, EOS and one more
+    assert head.size == 66
+    full = tiny_4bit.get_output_embeddings()
+    assert weight_bytes(tiny_4bit, head) == weight_bytes(tiny_4bit) - full.nbytes + head.linear.nbytes
+    assert head.linear.nbytes < full.nbytes
+    assert linear_params(tiny_4bit, head) == linear_params(tiny_4bit) - 64 * (512 - 66)
+    costs = step_costs(tiny_4bit, 512, list(range(5, 45)), [1, 3], repeat=2, warmup=1, head=head)
+    assert [s["tokens"] for s in costs["steps"]] == [1, 3]
+
+
+def test_dense_weights_count_their_own_bytes():
+    model = tiny_qwen(4, vocab_size=256)
+    expected = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert weight_bytes(model) == expected
+    assert linear_params(model) == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

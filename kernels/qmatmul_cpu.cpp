@@ -415,8 +415,8 @@ struct SuperQ8 {  // groups of 16 (Q6_K)
     }
 };
 
-// The tiles' vectors. Lanes8: one block of eight columns per 256-bit vector. Lanes16 (AVX-512 with VNNI and
-// BW): two neighbouring blocks, sixteen columns, per 512-bit vector. Every lane runs the same operations either
+// The tiles' vectors. Lanes8: one block of eight columns per 256-bit vector. Lanes16 (AVX-512 with VNNI, BW and
+// DQ): two neighbouring blocks, sixteen columns, per 512-bit vector. Every lane runs the same operations either
 // way (exact integer sums, then the same float steps), so the two give the same bits; the wide one issues half
 // the instructions for the same lanes: measured on the 2-core Zen 4, the fused gate and up projection
 // (17920 × 1536, q4 two-level) at 8 rows 1.00 → 0.84 ms, at 16 rows 2.12 → 1.72 ms (docs/benchmarks.md). A
@@ -446,7 +446,7 @@ struct Lanes8 {
     static void store(const A8Out& out, int64_t row, int64_t blk, F v) { out.store(row, blk, v); }
 };
 
-#if defined(SPECVIZ_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define SPECVIZ_LANES16 1
 struct Lanes16 {
     using I = __m512i;
@@ -582,9 +582,11 @@ void q8a8_tile(const uint8_t* q, const Scales& scales, int64_t K, const Act& a, 
 template <int MT, int NT, typename Run>
 inline void by_width(const Run& run) {
 #ifdef SPECVIZ_LANES16
-    if constexpr (NT == 2) return run(std::integral_constant<int, MT>{}, std::integral_constant<int, 1>{}, Lanes16{});
-#endif
+    if constexpr (NT == 2) run(std::integral_constant<int, MT>{}, std::integral_constant<int, 1>{}, Lanes16{});
+    else run(std::integral_constant<int, MT>{}, std::integral_constant<int, NT>{}, Lanes8{});
+#else
     run(std::integral_constant<int, MT>{}, std::integral_constant<int, NT>{}, Lanes8{});
+#endif
 }
 
 // Tile shapes by the call's rows, measured on the 2-core Zen 4 (docs/benchmarks.md); a tile of 2 blocks is one
@@ -598,6 +600,8 @@ struct TileShape { int rows, blocks; };
 constexpr int A8_FEW_ROWS = 4;  // calls with at most this many rows use the _FEW shapes
 #ifdef SPECVIZ_LANES16
 constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 2}, A8_MANY{8, 2};
+#elif defined(__AVX512F__)  // 32 registers, 256-bit tiles (AVX-512 without VNNI): the shapes measured before Lanes16
+constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 2}, A8_MANY{6, 2};
 #else
 constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 1}, A8_MANY{4, 1};
 #endif

@@ -335,9 +335,9 @@ def test_rates_and_channels_give_the_same_transcript(base_pair, tmp_path):
 @pytest.mark.real
 def test_the_kernel_decoder_transcribes_as_the_fp32_decoder_does(base_pair):
     """The embedded target runs its decoder on specviz's kernels (kernel_decoder: its own fp16 weights, the
-    batch-invariant attention): on the bundled clip the same tokens as with fp32 torch linears, teacher-forced
-    logits within fp32 rounding of theirs, and a verification call's rows the same bits as one-token steps (batch
-    invariant, which torch's linears and SDPA were not)."""
+    batch-invariant attention, the lean forward): on the bundled clip the same tokens as transformers' forward on
+    fp32 torch linears, teacher-forced logits within fp32 rounding of theirs, and a verification call's rows the
+    same bits as one-token steps (batch invariant, which torch's linears and SDPA were not)."""
     assert isinstance(base_pair.target.proj_out, HalfLinear)
     assert all(isinstance(m, HalfLinear) for m in base_pair.target.model.decoder.layers[0].modules()
                if isinstance(m, (nn.Linear, HalfLinear)))
@@ -348,6 +348,7 @@ def test_the_kernel_decoder_transcribes_as_the_fp32_decoder_does(base_pair):
     assert decoder_weights(tiny_whisper()).startswith("dense float32, ")
     fp32 = copy.deepcopy(base_pair.target)
     _dense_again(fp32)
+    fp32.lean_decoder = None  # transformers' forward (with the batch-invariant attention) on fp32 torch linears
     audio = load_audio(SAMPLE)
     ours = transcribe(base_pair, audio, SpecConfig(max_new_tokens=200), target_only=True)
     theirs = transcribe(SpeechPair(fp32, base_pair.draft, base_pair.processor, "fp32", "d"), audio,
@@ -400,10 +401,50 @@ def test_the_lean_decoder_gives_transformers_bits():
                 out = [dec.forward([[7, 8, 9], [10]], 3)]
                 dec.rollback([len(source.prompt) + 1, len(source.prompt)])
                 out.append(dec.forward([[11, 12], [13, 14]], 2))
+                out.append(dec.forward([[15, 16, 17], [18, 19, 20]], 1))  # keep < W: the head on the last row only
+                dec.select([1])  # a row leaves the batch: its cache and encoder output rows go with it
+                out.append(dec.forward([[21, 22]], 2))
                 runs.append(out)
             model.lean_decoder = lean
             assert all(torch.equal(a, b) for a, b in zip(*runs)), f"head {head_size}: the lean decoder's bits differ"
     assert lean_decoder.attach(tiny_whisper()).lean_decoder is None  # torch linears: transformers' forward
+
+
+def test_without_the_kernels_the_decoder_stays_on_transformers(monkeypatch):
+    """Where the kernels cannot build (no compiler, say), kernel_decoder changes nothing and raises nothing:
+    speech loads on torch as before."""
+    def no_build():
+        raise cpu_kernels.KernelBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(cpu_kernels, "library", no_build)
+    target = tiny_whisper()
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(p.half().float())
+    implementation = target.model.decoder.config._attn_implementation
+    assert kernel_decoder(target) == 0
+    assert isinstance(target.proj_out, nn.Linear) and isinstance(target.model.decoder.layers[0].fc1, nn.Linear)
+    assert target.model.decoder.config._attn_implementation == implementation
+    assert lean_decoder.attach(target).lean_decoder is None
+    draft, kind = quantized_layer_draft(target, (0, 1, 3))
+    assert kind == "int8"
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.has_int8_activations(),
+                    reason="the lean decoder needs the AVX2 build of the CPU kernels")
+def test_a_layer_draft_never_inherits_its_targets_lean_forward():
+    """A layer draft is a shallow copy of its target; the target's lean forward would run the target's layers."""
+    target = tiny_whisper()
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(p.half().float())
+    kernel_decoder(target)
+    assert lean_decoder.attach(target).lean_decoder is not None
+    draft = layer_draft(target, (0, 2))
+    assert getattr(draft, "lean_decoder", None) is None
+    lean_decoder.attach(draft)
+    assert draft.lean_decoder is not None and len(draft.lean_decoder.layers) == 2
+    assert target.lean_decoder.layers == list(target.model.decoder.layers)
 
 
 def _dense_again(module: nn.Module) -> None:

@@ -120,3 +120,44 @@ def test_subnormal_and_special_weights_widen_exactly(tmp_path):
         theirs = torch.empty(1, 10)
         lib.specviz_f16_matmul(x.data_ptr(), 1, 8, half.bits.data_ptr(), 10, None, theirs.data_ptr(), 1)
         assert torch.equal(theirs[0], w[:, j]) and torch.equal(half(x)[0], w[:, j])
+
+
+def test_bad_calls_are_refused_before_the_kernel_reads_anything():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        HalfLinear(torch.zeros(4, 12), None)
+    half = HalfLinear.from_linear(fp16_linear(8, 16, True, seed=6))
+    with pytest.raises(ValueError, match="f16_matmul"):
+        cpu_kernels.f16_matmul(torch.zeros(2, 16).t().contiguous().t(), half.bits, None)  # not contiguous
+    with pytest.raises(ValueError, match="f16_matmul"):
+        cpu_kernels.f16_matmul(torch.zeros(2, 24), half.bits, None)  # K mismatch
+    with pytest.raises(ValueError, match="f16_matmul"):
+        cpu_kernels.f16_matmul(torch.zeros(2, 16), half.bits, torch.zeros(3))  # bias of another width
+
+
+def test_a_reduced_head_keeps_the_fp16_rows_it_selects():
+    """The draft's reduced head (decoding.drafts.SubsetHead) over an fp16 head: the selected rows' logits are the
+    full head's bits, -inf elsewhere."""
+    from specviz.decoding.drafts import SubsetHead
+
+    head = HalfLinear.from_linear(fp16_linear(40, 32, False, seed=7))
+    ids = torch.tensor([0, 1, 2, 5, 17, 39])
+    sub = SubsetHead(head, ids, 40)
+    assert isinstance(sub.linear, HalfLinear) and sub.size == 6
+    x = torch.randn(2, 3, 32)
+    got, full = sub(x), head(x)
+    assert torch.equal(got[..., ids], full[..., ids])
+    rest = torch.ones(40, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isneginf(got[..., rest]).all()
+
+
+def test_gelu_rows_get_the_same_bits_in_any_call():
+    """The lean Whisper decoder's GELU: a row alone or among many (past the size torch splits over threads)."""
+    from specviz.speech.lean_decoder import _gelu
+
+    x = torch.randn(40, 2048)
+    alone = torch.cat([_gelu(x[r:r + 1]) for r in range(40)])
+    assert torch.equal(_gelu(x), alone) and torch.equal(_gelu(x[3:29]), alone[3:29])
+    assert torch.allclose(alone, torch.nn.functional.gelu(x))
+    odd = torch.randn(9, 100)  # rows no multiple of two vectors go one by one
+    assert torch.equal(_gelu(odd), torch.cat([_gelu(odd[r:r + 1]) for r in range(9)]))

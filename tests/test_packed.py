@@ -258,8 +258,19 @@ def test_kernel_rows_are_bitwise_batch_invariant(kind, group, int8_activations):
         assert torch.equal(layer(x[:m]), first[:m]), f"a row differs when scored among {m} rows"
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+
+
 @A8
-def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
+@pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
+def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path, march):
+    if march == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run an AVX-512 build")
     """The 8-bit-activation kernels choose their instructions and tile by the machine they are built on
     (vpdpbusd, 512-bit vectors and 4- or 8-row tiles where AVX-512 VNNI is, vpmaddubsw and 4-row tiles on plain AVX2; q8's weights
     offset by 128 for vpdpbusd, its sign moved to the codes for vpmaddubsw). Their integer
@@ -268,8 +279,8 @@ def test_the_avx2_build_computes_the_same_bits_as_this_machines_own(tmp_path):
     import ctypes
     import subprocess
 
-    avx2 = tmp_path / "avx2.so"
-    subprocess.run([_compiler(), "-O3", "-march=haswell", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+    avx2 = tmp_path / f"{march}.so"  # skylake-avx512: AVX-512 without VNNI, 256-bit tiles over 32 registers
+    subprocess.run([_compiler(), "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
                     *map(str, cpu_kernels.SOURCES), "-o", str(avx2)], check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(avx2))
     native = cpu_kernels.library()

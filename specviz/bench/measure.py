@@ -26,6 +26,7 @@ def _median_of(run: Callable[[], Trace], repeat: int) -> tuple[Trace, float]:
 def speech_draft_layers(pair, clips: list[tuple[str, np.ndarray]], layer_sets: list[tuple[int, ...]], cfg: SpecConfig,
                         reference_text: str | None = None, repeat: int = 3) -> list[dict]:
     """Acceptance and speed of self-speculative drafts made of different subsets of the target's decoder layers."""
+    from specviz.speech import lean_decoder
     from specviz.speech.asr import layer_draft, word_error_rate
     from specviz.runs.decode import transcribe
 
@@ -36,7 +37,7 @@ def speech_draft_layers(pair, clips: list[tuple[str, np.ndarray]], layer_sets: l
     original = pair.draft
     try:
         for layers in layer_sets:
-            pair.draft = layer_draft(pair.target, layers)
+            pair.draft = lean_decoder.attach(layer_draft(pair.target, layers))
             trace, seconds = _median_of(lambda: transcribe(pair, clips, cfg), repeat)
             s = trace.summary()
             rows.append({"draft": f"layers {list(layers)}", "alpha": s["alpha"], "acceptance_rate": s["acceptance_rate"],

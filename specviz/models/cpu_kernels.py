@@ -76,6 +76,11 @@ def f16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     fp32 (kernels/half_matmul_cpu.cpp: any M, each row's outputs the same bits whatever else is in the call)."""
     M, K = x.shape
     N = weight.shape[0]
+    if (K % 8 or weight.shape[1] != K or weight.element_size() != 2 or not weight.is_contiguous()
+            or x.dtype != torch.float32 or not x.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,) or not bias.is_contiguous()))):
+        raise ValueError(f"f16_matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+                         "bias: a contiguous fp32 x, a contiguous 2-byte weight [N, K] and K a multiple of 8 are needed")
     y = torch.empty((M, N), dtype=torch.float32)
     library().specviz_f16_matmul(x.data_ptr(), M, K, weight.data_ptr(), N, address(bias), y.data_ptr(),
                                  torch.get_num_threads())

@@ -21,7 +21,11 @@ class HalfLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        if self.in_features % 8 or weight.device.type != "cpu":
+            raise ValueError(f"HalfLinear needs a CPU weight with K a multiple of 8, got {tuple(weight.shape)} on "
+                             f"{weight.device}")
         # [N, K] fp16 bits as int16: Module.float() / .half() convert floating buffers, and must not convert this one
+        # (the bias may be converted: forward reads it as fp32, exact after .float(), rounded after .half())
         self.register_buffer("bits", weight.detach().to(torch.float16).contiguous().view(torch.int16))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())  # [N]
 
@@ -32,9 +36,12 @@ class HalfLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> HalfLinear | None:
         """The same layer on fp16 weights, or None where that would change it (a weight fp16 cannot hold exactly,
-        not fp32 on the CPU, K not a multiple of 8) or the kernels cannot build here."""
+        not fp32 on the CPU, K not a multiple of 8) or would not pay (the kernels do not build here, or only their
+        portable scalar path does: torch's GEMM is then far faster)."""
         w = linear.weight.detach()
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % 8 or not cpu_kernels.available():
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % 8:
+            return None
+        if not cpu_kernels.available() or not cpu_kernels.vectorized():
             return None
         if not torch.equal(w.half().float(), w):
             return None

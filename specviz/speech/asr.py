@@ -70,6 +70,7 @@ def layer_draft(target: WhisperForConditionalGeneration, layers: tuple[int, ...]
     inner._modules = dict(target.model._modules)
     inner._modules["decoder"] = decoder
     draft = copy.copy(target)
+    draft.__dict__.pop("lean_decoder", None)  # the target's lean forward runs the target's layers: never the draft's
     draft._modules = dict(target._modules)
     draft._modules["model"] = inner
     draft.config = copy.deepcopy(target.config)
@@ -91,7 +92,7 @@ def kernel_decoder(model: WhisperForConditionalGeneration) -> int:
     if head is not None:  # the input embedding keeps its fp32 weight, which the head shared
         model.proj_out = head
         changed += 1
-    if cpu_kernels.has_attention():
+    if cpu_kernels.available() and cpu_kernels.has_attention():  # available(): no build here is no error
         config = copy.copy(model.model.decoder.config)
         config._attn_implementation = cpu_attention.register()
         for module in model.model.decoder.modules():  # the decoder, its layers and their attention modules
@@ -103,27 +104,33 @@ def kernel_decoder(model: WhisperForConditionalGeneration) -> int:
 def decoder_weights(model: WhisperForConditionalGeneration) -> str:
     """What a Whisper decoder's layers run on, named in traces as the text models' are (models.packed.describe)."""
     decoder = model.model.decoder
-    fc1 = decoder.layers[0].fc1
-    if isinstance(fc1, HalfLinear):
-        linears = "fp16 weights, specviz fp16-weight kernel"
-    elif isinstance(fc1, PackedLinear):
-        linears = f"{fc1.source} blocks, specviz {cpu_kernels.isa()} kernel, int8 activations (per row, groups of 32)"
-    elif isinstance(fc1, nn.Linear):
-        linears = f"dense {str(fc1.weight.dtype).removeprefix('torch.')}"
-    else:
-        linears = "dense int8 (dynamic quantization)"
+    linears = [m for layer in decoder.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+               layer.self_attn.v_proj, layer.self_attn.out_proj, layer.encoder_attn.q_proj, layer.encoder_attn.k_proj,
+               layer.encoder_attn.v_proj, layer.encoder_attn.out_proj, layer.fc1, layer.fc2)]
+
+    def kind(m: nn.Module) -> str:
+        if isinstance(m, HalfLinear):
+            return "fp16 weights, specviz fp16-weight kernel"
+        if isinstance(m, PackedLinear):
+            activations = "int8 activations (per row, groups of 32)" if m.int8_activations else "fp32 activations"
+            return f"{m.source} blocks, specviz {cpu_kernels.isa()} kernel, {activations}"
+        if isinstance(m, nn.Linear):
+            return f"dense {str(m.weight.dtype).removeprefix('torch.')}"
+        return "dense int8 (dynamic quantization)"
+
+    kinds = sorted({kind(m) for m in linears})
     implementation = decoder.config._attn_implementation
     attention = "batch-invariant attention" if implementation == cpu_attention.NAME else f"{implementation} attention"
     lean = ", lean forward" if getattr(model, "lean_decoder", None) is not None else ""
-    return f"{linears}, {attention}{lean}"
+    return f"{' + '.join(kinds)}, {attention}{lean}"
 
 
 def quantized_layer_draft(target: WhisperForConditionalGeneration, layers: tuple[int, ...]
                           ) -> tuple[WhisperForConditionalGeneration, str]:
     """layer_draft with quantized copies of the kept decoder layers and of the output head, and what they are:
     4-bit on specviz's kernels with 8-bit activations where they build with AVX2 (quant.q4_linears: batch
-    invariant, a 4.7 ms step against int8's 5.9 on the sample clip, greedy agreement with the target 0.90 against
-    0.92), else torch's dynamic int8. Embeddings, norms and the encoder stay shared with the (never quantized)
+    invariant, a 4.7 ms step against int8's 5.9 on the sample clip before the lean forward, 3.9 with it; greedy
+    agreement with the target 0.90 against 0.92), else torch's dynamic int8. Embeddings, norms and the encoder stay shared with the (never quantized)
     target; quantizing in place would reach the target's own modules through the shared ones, so only private
     copies are quantized."""
     draft = layer_draft(target, layers)
@@ -227,16 +234,18 @@ class WhisperDecoder(SlottedDecoder):
 
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
         encoder_out = self.encoder_out if len(rows) == self.encoder_out.shape[0] else self.encoder_out[rows]
-        inputs = dict(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,), decoder_attention_mask=attention_mask.long(),
-                      decoder_position_ids=position_ids, past_key_values=cache, use_cache=True)
         lean = getattr(self.model, "lean_decoder", None)  # speech.lean_decoder.attach, where it applies
         if lean is not None:
             hidden = lean.hidden(input_ids, attention_mask, position_ids, cache, encoder_out, keep)  # [b, keep, d]
             logits = (self.model.proj_out(hidden) if self.head is None else self.head(hidden)).float()
-        elif self.head is None:
-            logits = self.model(**inputs).logits[:, -keep:].float()  # [b, keep, V]
-        else:  # the reduced draft head: only its rows of the output projection are computed
-            logits = self.head(self.model.model(**inputs).last_hidden_state[:, -keep:])
+        else:
+            inputs = dict(decoder_input_ids=input_ids, encoder_outputs=(encoder_out,),
+                          decoder_attention_mask=attention_mask.long(), decoder_position_ids=position_ids,
+                          past_key_values=cache, use_cache=True)
+            if self.head is None:
+                logits = self.model(**inputs).logits[:, -keep:].float()  # [b, keep, V]
+            else:  # the reduced draft head: only its rows of the output projection are computed
+                logits = self.head(self.model.model(**inputs).last_hidden_state[:, -keep:])
         if len(self.suppress):
             logits[..., self.suppress] = float("-inf")
         if len(self.begin_suppress):

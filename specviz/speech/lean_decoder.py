@@ -1,9 +1,9 @@
 """A lean forward for Whisper's decoder on the CPU kernels: one function walks the layers with explicit state, as
 models/lean.py does for the text models, instead of transformers' modules.
 
-Why: with its linear layers on the fp16 kernel, the embedded target's step was 10.9 ms, of which ~3.6 ms was
-transformers' per-layer plumbing (module calls, keyword arguments, mask and cache bookkeeping, ~2,800 op
-dispatches a step), and the 4-bit draft's 4.5 ms held ~2.3 (torch.profiler and cProfile, docs/benchmarks.md).
+Why: with its linear layers on the kernels, transformers' per-layer plumbing (module calls, keyword arguments,
+mask and cache bookkeeping, ~2,800 op dispatches a step) was a large share of a Whisper step; without it, side by
+side, the embedded target's step fell 9.6 → 8.4 ms and its 4-bit draft's 4.9 → 3.9 ms (docs/benchmarks.md).
 
 Every number is computed by the same operations in the same order as transformers' Whisper decoder on the same
 modules (the positional and token embeddings' sum, pre-norm layers, queries scaled before attention, the
@@ -37,14 +37,32 @@ def supports(model: nn.Module) -> bool:
     decoder = model.model.decoder
     if decoder.config._attn_implementation != cpu_attention.NAME or not cpu_kernels.has_attention():
         return False
-    if decoder.config.activation_function != "gelu":
-        return False
+    if decoder.config.activation_function != "gelu" or (decoder.config.d_model // decoder.config.decoder_attention_heads) % 8:
+        return False  # the attention kernel takes head widths in multiples of 8
     return isinstance(model.proj_out, _KERNEL_LINEARS) and all(
         isinstance(m, _KERNEL_LINEARS) for layer in decoder.layers for m in _linears(layer))
 
 
 def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:  # nn.LayerNorm's forward
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+# torch's element-wise GELU splits a call over threads above this many elements and finishes a thread's share with
+# scalar erf where it is no whole number of vectors: a row's bits could then depend on what else is in the call.
+# Calls of at most this many elements run on one thread from their first element.
+_ONE_THREAD_ELEMENTS = 16384
+_VECTOR = 32  # ATen's loop takes two vectors at a time (2 × 16 floats on AVX-512, 2 × 8 on AVX2), the rest scalar
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    """F.gelu, each row (last dimension) computed by the same operations whatever else is in the call: rows of a
+    multiple of 32 in groups small enough for one thread (so every element is vector work), else one by one."""
+    rows = x.reshape(-1, x.shape[-1])
+    width = rows.shape[1]
+    if rows.numel() <= _ONE_THREAD_ELEMENTS and width % _VECTOR == 0:
+        return F.gelu(x)
+    group = max(1, _ONE_THREAD_ELEMENTS // width) if width % _VECTOR == 0 else 1
+    return torch.cat([F.gelu(rows[i:i + group]) for i in range(0, len(rows), group)]).reshape(x.shape)
 
 
 class LeanWhisperDecoder:
@@ -57,7 +75,6 @@ class LeanWhisperDecoder:
         self.positions = decoder.embed_positions.weight  # [max positions, d]
         self.layers = list(decoder.layers)
         self.norm = decoder.layer_norm
-        self.head = model.proj_out
         self.heads = decoder.config.decoder_attention_heads
         self.head_dim = decoder.config.d_model // self.heads
 
@@ -108,7 +125,7 @@ class LeanWhisperDecoder:
             keys, values = self._cross(i, layer, cache, encoder_out)
             hidden = hidden + c.out_proj(self._attend(c.q_proj(x) * c.scaling, keys, values, sees_all))
             x = _layer_norm(hidden, layer.final_layer_norm)
-            hidden = hidden + layer.fc2(F.gelu(layer.fc1(x)))
+            hidden = hidden + layer.fc2(_gelu(layer.fc1(x)))
         return _layer_norm(hidden[:, -keep:], self.norm)
 
 

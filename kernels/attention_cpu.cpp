@@ -7,7 +7,8 @@
 // task that walks its own keys in order: the same operations for a row in a prefill, in a verification call
 // of γ + 1 rows beside other sequences, or alone; only the set of keys it may see (the mask) decides.
 //
-// Layouts (fp32): q [B, H, L, D] contiguous; k and v the first S positions of [B, Hkv, Sk, D] contiguous buffers
+// Layouts (fp32; k and v also fp16, specviz_attention_f16kv): q [B, H, L, D] contiguous; k and v the first S
+// positions of [B, Hkv, Sk, D] contiguous buffers
 // (Sk = S for plain tensors; H a multiple of Hkv: grouped queries share a key head), mask [B, L, S] uint8 (1: row
 // i sees key j), out [B, L, H, D]. D a multiple of 8.
 // Built with qmatmul_cpu.cpp into one library (specviz.cpu_kernels).
@@ -16,7 +17,7 @@
 #include <string.h>
 #include <omp.h>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // F16C: fp16 keys and values
 #include <immintrin.h>
 #define SPECVIZ_ATTENTION_AVX2 1
 #include "vector_math.h"
@@ -26,6 +27,12 @@ namespace {
 
 #ifdef SPECVIZ_ATTENTION_AVX2
 using specviz_math::lanes_sum;
+
+// Eight keys' or values' elements as fp32: fp32 as they are, fp16 widened (exactly: the same numbers as the fp32
+// copy of an fp16 tensor, so the same bits downstream). fp16 halves what a pass reads where a caller keeps its
+// keys and values so (Whisper's layer draft, over 1,500 encoder frames a layer).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // lanes_sum of eight vectors at once, as one vector [sum(v[0]), ..., sum(v[7])]: the same additions in the
 // same pairing, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so each the same bits as lanes_sum.
@@ -60,8 +67,8 @@ constexpr int HEADS_PER_PASS = 1;
 
 // scores s[h][t] = scale · q[h] · k[keys[t]] for HP heads, t < n (keys 8 at a time: eight independent chains of
 // FMAs, their reductions side by side in lanes_sum's pairing; the rest one by one with lanes_sum)
-template <int HP>
-void scores(const float* const* q, const float* kbase, const int32_t* keys, int64_t n, int64_t D, float scale,
+template <int HP, typename KV>
+void scores(const float* const* q, const KV* kbase, const int32_t* keys, int64_t n, int64_t D, float scale,
             float* const* s) {
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
@@ -72,18 +79,18 @@ void scores(const float* const* q, const float* kbase, const int32_t* keys, int6
             __m256 x[HP];
             for (int h = 0; h < HP; ++h) x[h] = _mm256_loadu_ps(q[h] + d);
             for (int c = 0; c < 8; ++c) {
-                const __m256 kv = _mm256_loadu_ps(kbase + keys[t + c] * D + d);
+                const __m256 kv = load8(kbase + keys[t + c] * D + d);
                 for (int h = 0; h < HP; ++h) a[h][c] = _mm256_fmadd_ps(x[h], kv, a[h][c]);
             }
         }
         for (int h = 0; h < HP; ++h) _mm256_storeu_ps(s[h] + t, _mm256_mul_ps(lanes_sum8(a[h]), _mm256_set1_ps(scale)));
     }
     for (; t < n; ++t) {
-        const float* kj = kbase + keys[t] * D;
+        const KV* kj = kbase + keys[t] * D;
         for (int h = 0; h < HP; ++h) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d), _mm256_loadu_ps(kj + d), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d), load8(kj + d), acc);
             s[h][t] = lanes_sum(acc) * scale;
         }
     }
@@ -111,8 +118,8 @@ float softmax_weights(float* s, int64_t n) {
 
 // o[h] = inv[h] · Σ_t s[h][t] · v[keys[t]] for HP heads: eight 8-wide slices of the output at a time, keys in the
 // outer loop (eight chains instead of one, each slice summed over the keys in the same order as alone)
-template <int HP>
-void weighted_values(const float* const* s, const float* inv, const float* vbase, const int32_t* keys, int64_t n,
+template <int HP, typename KV>
+void weighted_values(const float* const* s, const float* inv, const KV* vbase, const int32_t* keys, int64_t n,
                      int64_t D, float* const* o) {
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64) {
@@ -122,9 +129,9 @@ void weighted_values(const float* const* s, const float* inv, const float* vbase
         for (int64_t t = 0; t < n; ++t) {
             __m256 w[HP];
             for (int h = 0; h < HP; ++h) w[h] = _mm256_set1_ps(s[h][t]);
-            const float* vj = vbase + keys[t] * D + d0;
+            const KV* vj = vbase + keys[t] * D + d0;
             for (int c = 0; c < 8; ++c) {
-                const __m256 vv = _mm256_loadu_ps(vj + 8 * c);
+                const __m256 vv = load8(vj + 8 * c);
                 for (int h = 0; h < HP; ++h) acc[h][c] = _mm256_fmadd_ps(w[h], vv, acc[h][c]);
             }
         }
@@ -136,14 +143,14 @@ void weighted_values(const float* const* s, const float* inv, const float* vbase
         for (int h = 0; h < HP; ++h) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; ++t)
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[h][t]), _mm256_loadu_ps(vbase + keys[t] * D + d), acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[h][t]), load8(vbase + keys[t] * D + d), acc);
             _mm256_storeu_ps(o[h] + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv[h])));
         }
 }
 
 // HP heads g0 … of row i, sequence b, whose keys and values are key head kh's
-template <int HP>
-void heads(const float* q, const float* kbase, const float* vbase, const int32_t* keys, int64_t n, int64_t b,
+template <int HP, typename KV>
+void heads(const float* q, const KV* kbase, const KV* vbase, const int32_t* keys, int64_t n, int64_t b,
            int64_t g0, int64_t h0, int64_t i, int64_t H, int64_t L, int64_t D, float scale, float* out,
            float* scores_buf) {
     const int64_t padded = (n + 7) / 8 * 8;
@@ -156,41 +163,28 @@ void heads(const float* q, const float* kbase, const float* vbase, const int32_t
         sh[h] = scores_buf + (g0 + h) * padded;
         oh[h] = out + ((b * L + i) * H + h0 + g0 + h) * D;
     }
-    scores<HP>(qh, kbase, keys, n, D, scale, sh);
+    scores<HP, KV>(qh, kbase, keys, n, D, scale, sh);
     for (int h = 0; h < HP; ++h) inv[h] = softmax_weights(sh[h], n);
-    weighted_values<HP>(sh, inv, vbase, keys, n, D, oh);
+    weighted_values<HP, KV>(sh, inv, vbase, keys, n, D, oh);
 }
 
 // One row i of sequence b for the G query heads [h0, h0 + G) that share key head kh. Keys and values are read
 // from rows of Sk positions (Sk ≥ S: a KV cache's preallocated buffer, of which the first S are in use).
-void row(const float* q, const float* k, const float* v, const int32_t* keys, int64_t n, int64_t b, int64_t h0,
+template <typename KV>
+void row(const float* q, const KV* k, const KV* v, const int32_t* keys, int64_t n, int64_t b, int64_t h0,
          int64_t G, int64_t kh, int64_t i, int64_t H, int64_t Hkv, int64_t L, int64_t Sk, int64_t D, float scale,
          float* out, float* scores_buf) {
-    const float* kbase = k + (b * Hkv + kh) * Sk * D;
-    const float* vbase = v + (b * Hkv + kh) * Sk * D;
+    const KV* kbase = k + (b * Hkv + kh) * Sk * D;
+    const KV* vbase = v + (b * Hkv + kh) * Sk * D;
     int64_t g = 0;
     for (; g + HEADS_PER_PASS <= G; g += HEADS_PER_PASS)
-        heads<HEADS_PER_PASS>(q, kbase, vbase, keys, n, b, g, h0, i, H, L, D, scale, out, scores_buf);
-    for (; g < G; ++g) heads<1>(q, kbase, vbase, keys, n, b, g, h0, i, H, L, D, scale, out, scores_buf);
-}
-#endif
-
-}  // namespace
-
-extern "C" {
-
-int specviz_has_attention() {
-#ifdef SPECVIZ_ATTENTION_AVX2
-    return 1;
-#else
-    return 0;
-#endif
+        heads<HEADS_PER_PASS, KV>(q, kbase, vbase, keys, n, b, g, h0, i, H, L, D, scale, out, scores_buf);
+    for (; g < G; ++g) heads<1, KV>(q, kbase, vbase, keys, n, b, g, h0, i, H, L, D, scale, out, scores_buf);
 }
 
-#ifdef SPECVIZ_ATTENTION_AVX2
-void specviz_attention(const float* q, const float* k, const float* v, const uint8_t* mask, int64_t B, int64_t H,
-                       int64_t Hkv, int64_t L, int64_t S, int64_t Sk, int64_t D, float scale, float* out,
-                       int nthreads) {
+template <typename KV>
+void attention(const float* q, const KV* k, const KV* v, const uint8_t* mask, int64_t B, int64_t H, int64_t Hkv,
+               int64_t L, int64_t S, int64_t Sk, int64_t D, float scale, float* out, int nthreads) {
     const int64_t G = H / Hkv;
     // each row's visible keys, in order (shared by its heads)
     std::vector<int32_t> keys(B * L * S);
@@ -211,10 +205,37 @@ void specviz_attention(const float* q, const float* k, const float* v, const uin
                 for (int64_t g = 0; g < G; ++g) memset(out + ((b * L + i) * H + kh * G + g) * D, 0, sizeof(float) * D);
                 continue;
             }
-            row(q, k, v, keys.data() + r * S, count[r], b, kh * G, G, kh, i, H, Hkv, L, Sk, D, scale, out,
-                scores.data());
+            row<KV>(q, k, v, keys.data() + r * S, count[r], b, kh * G, G, kh, i, H, Hkv, L, Sk, D, scale, out,
+                    scores.data());
         }
     }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int specviz_has_attention() {
+#ifdef SPECVIZ_ATTENTION_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef SPECVIZ_ATTENTION_AVX2
+void specviz_attention(const float* q, const float* k, const float* v, const uint8_t* mask, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t L, int64_t S, int64_t Sk, int64_t D, float scale, float* out,
+                       int nthreads) {
+    attention<float>(q, k, v, mask, B, H, Hkv, L, S, Sk, D, scale, out, nthreads);
+}
+
+// The same with fp16 keys and values (uint16 bits): the bits of specviz_attention on their fp32 copies.
+void specviz_attention_f16kv(const float* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t B,
+                             int64_t H, int64_t Hkv, int64_t L, int64_t S, int64_t Sk, int64_t D, float scale,
+                             float* out, int nthreads) {
+    attention<uint16_t>(q, k, v, mask, B, H, Hkv, L, S, Sk, D, scale, out, nthreads);
 }
 #endif
 

@@ -213,8 +213,9 @@ def test_greedy_equality_with_the_quantized_draft_and_a_reduced_head(draft_vocab
         assert kernel_decoder(target) == (4 * 10 + 1 if cpu_kernels.available() else 0)  # 10 linears a layer, the head
         lean_decoder.attach(target)
     processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
-    pair = SpeechPair(target, lean_decoder.attach(quantized_layer_draft(target, (0, 1, 3))[0]), processor, "tiny",
-                      "tiny quantized")
+    # as load_speech_pair runs it: the quantized draft's cross-attention keys and values in fp16
+    pair = SpeechPair(target, lean_decoder.attach(quantized_layer_draft(target, (0, 1, 3))[0], torch.float16),
+                      processor, "tiny", "tiny quantized")
     clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((2.0, 4.0, 3.0))]
     cfg = SpecConfig(mode="exact", gamma_policy="bass", max_new_tokens=24, draft_vocab=draft_vocab,
                      draft_confidence=confidence)
@@ -408,6 +409,19 @@ def test_the_lean_decoder_gives_transformers_bits():
             model.lean_decoder = lean
             assert all(torch.equal(a, b) for a, b in zip(*runs)), f"head {head_size}: the lean decoder's bits differ"
     assert lean_decoder.attach(tiny_whisper()).lean_decoder is None  # torch linears: transformers' forward
+    # the draft's fp16 cross-attention keys and values: stored so, and logits within their rounding
+    source = SpeechSource(pair, clips)
+    outs = []
+    for kv in (torch.float32, torch.float16):
+        lean_decoder.attach(draft, kv)
+        dec = source.decoders([0, 1], with_draft=True)[0]
+        dec.prefill([source.prompt, source.prompt])
+        outs.append(dec.forward([[7, 8], [9, 10]], 2))
+        assert dec.cache.cross_attention_cache.layers[0].keys.dtype == kv
+    finite = torch.isfinite(outs[0])
+    assert torch.equal(finite, torch.isfinite(outs[1])) and not torch.equal(outs[0], outs[1])
+    # the tiny model's weights are large (init 0.3), so its keys are too: fp16 rounding moves its logits ~2%
+    assert (outs[0] - outs[1])[finite].abs().max() < 0.05 * outs[0][finite].abs().max()
 
 
 def test_without_the_kernels_the_decoder_stays_on_transformers(monkeypatch):

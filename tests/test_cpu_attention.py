@@ -62,6 +62,21 @@ def test_without_a_mask_the_module_says_whether_rows_see_every_key(is_causal):
     torch.testing.assert_close(got, sdpa(q, k, v, sees, 0.25), rtol=2e-5, atol=2e-5)
 
 
+def test_fp16_keys_and_values_give_their_fp32_copies_bits():
+    """specviz_attention_f16kv reads fp16 keys and values and widens them exactly: the bits of the fp32 kernel on
+    the widened copies, for every tile shape (8 keys at a time and the rest, 3 heads a pass and 1), in a buffer."""
+    g = torch.Generator().manual_seed(11)
+    for B, H, Hkv, L, S, D in ((2, 6, 2, 3, 45, 16), (1, 8, 8, 5, 1500, 64), (3, 4, 1, 1, 9, 8)):
+        q = torch.randn(B, H, L, D, generator=g)
+        k, v = (torch.randn(B, Hkv, S + 4, D, generator=g).half() for _ in range(2))  # a buffer, S in use
+        sees = causal_with_padding(B, L, S, [b for b in range(B)]).to(torch.uint8).contiguous()
+        half = cpu_kernels.attention(q, k[:, :, :S], v[:, :, :S], sees, D ** -0.5)
+        full = cpu_kernels.attention(q, k[:, :, :S].float(), v[:, :, :S].float(), sees, D ** -0.5)
+        assert torch.equal(half, full), (B, H, Hkv, L, S, D)
+    with pytest.raises(ValueError, match="both be fp32 or both fp16"):
+        cpu_kernels.attention(q, k.float(), v, sees, 1.0)
+
+
 def test_a_rows_output_is_the_same_bits_in_any_call():
     g = torch.Generator().manual_seed(5)
     H, Hkv, D, S = 8, 2, 32, 50

@@ -230,16 +230,20 @@ def buffer_rows(x: torch.Tensor) -> int | None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, L, D] contiguous, k and v [B, Hkv, S, D] fp32, each contiguous or the first S positions of a
-    contiguous buffer (H a multiple of Hkv, D of 8), sees [B, L, S] uint8 (1: row i attends to key j)
-    -> out [B, L, H, D]: each row over exactly its keys, in order (batch-invariant). A cache's views are read in
-    place, not copied: the same numbers in the same order, so the same bits."""
+    """q [B, H, L, D] contiguous, k and v [B, Hkv, S, D] fp32 (or both fp16: the bits their fp32 copies would
+    give, from half the bytes), each contiguous or the first S positions of a contiguous buffer (H a multiple of
+    Hkv, D of 8), sees [B, L, S] uint8 (1: row i attends to key j) -> out [B, L, H, D]: each row over exactly its
+    keys, in order (batch-invariant). A cache's views are read in place, not copied: the same numbers in the same
+    order, so the same bits."""
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    if k.dtype != v.dtype or k.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"attention: keys and values must both be fp32 or both fp16, got {k.dtype} and {v.dtype}")
     rows = buffer_rows(k)
     if rows is None or buffer_rows(v) != rows:
         k, v, rows = k.contiguous(), v.contiguous(), S
     out = torch.empty((B, L, H, D), dtype=torch.float32)
-    library().specviz_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), sees.data_ptr(), B, H, Hkv, L, S, rows, D,
-                                scale, out.data_ptr(), torch.get_num_threads())
+    run = library().specviz_attention_f16kv if k.dtype == torch.float16 else library().specviz_attention
+    run(q.data_ptr(), k.data_ptr(), v.data_ptr(), sees.data_ptr(), B, H, Hkv, L, S, rows, D, scale, out.data_ptr(),
+        torch.get_num_threads())
     return out

@@ -128,7 +128,8 @@ def _load() -> ctypes.CDLL:
     if lib.specviz_has_attention():
         lib.specviz_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                           ptr, cint]
-        functions.append(lib.specviz_attention)
+        lib.specviz_attention_f16kv.argtypes = lib.specviz_attention.argtypes
+        functions += [lib.specviz_attention, lib.specviz_attention_f16kv]
     if lib.specviz_has_a8():
         lib.specviz_int8_peak.argtypes = [i64, cint]
         lib.specviz_int8_peak.restype = ctypes.c_double

@@ -69,8 +69,12 @@ class LeanWhisperDecoder:
     """The decoder forward of one supported model. Holds references to the model's own modules; read-only after
     construction, so one instance serves any number of decoders and threads."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, cross_kv: torch.dtype = torch.float32):
+        """cross_kv: how the cross-attention keys and values are kept. fp16 (a draft's choice: a draft's
+        approximations change acceptance, never the output) halves what every step reads of them, 30 MB a step
+        for the embedded layer draft; fp32 keeps transformers' bits."""
         decoder = model.model.decoder
+        self.cross_kv = cross_kv
         self.embed = decoder.embed_tokens.weight  # [V, d]
         self.positions = decoder.embed_positions.weight  # [max positions, d]
         self.layers = list(decoder.layers)
@@ -95,6 +99,10 @@ class LeanWhisperDecoder:
         a = layer.encoder_attn
         k = a.k_proj(encoder_out).view(shape).transpose(1, 2).contiguous()
         v = a.v_proj(encoder_out).view(shape).transpose(1, 2).contiguous()
+        if self.cross_kv == torch.float16:
+            k16, v16 = k.half(), v.half()
+            if torch.isfinite(k16).all() and torch.isfinite(v16).all():  # else this layer keeps fp32 (out of range)
+                k, v = k16, v16
         cache.is_updated[i] = True
         return cross.update(k, v, i)
 
@@ -129,8 +137,8 @@ class LeanWhisperDecoder:
         return _layer_norm(hidden[:, -keep:], self.norm)
 
 
-def attach(model: nn.Module) -> nn.Module:
+def attach(model: nn.Module, cross_kv: torch.dtype = torch.float32) -> nn.Module:
     """Give `model` its lean decoder as `model.lean_decoder` where `supports(model)`, else None there (set either
     way: a layer draft is a copy of its target and must not inherit the target's). Returns the model."""
-    model.lean_decoder = LeanWhisperDecoder(model) if supports(model) else None
+    model.lean_decoder = LeanWhisperDecoder(model, cross_kv) if supports(model) else None
     return model

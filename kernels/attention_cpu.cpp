@@ -27,29 +27,13 @@ namespace {
 
 #ifdef SPECVIZ_ATTENTION_AVX2
 using specviz_math::lanes_sum;
+using specviz_math::lanes_sum8;
 
 // Eight keys' or values' elements as fp32: fp32 as they are, fp16 widened (exactly: the same numbers as the fp32
 // copy of an fp16 tensor, so the same bits downstream). fp16 halves what a pass reads where a caller keeps its
 // keys and values so (Whisper's layer draft, over 1,500 encoder frames a layer).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// lanes_sum of eight vectors at once, as one vector [sum(v[0]), ..., sum(v[7])]: the same additions in the
-// same pairing, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so each the same bits as lanes_sum.
-inline __m256 lanes_sum8(const __m256* v) {
-    __m256 h[4];  // h[p]: lanes 0-3 = v[2p]'s l_k + l_k+4, lanes 4-7 = v[2p + 1]'s
-    for (int p = 0; p < 4; ++p)
-        h[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
-                             _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
-    __m256 u[2];  // u[p], per 128-bit half: [x(l0+l4 + l2+l6), x(l1+l5 + l3+l7), y(...), y(...)]
-    for (int p = 0; p < 2; ++p)
-        u[p] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * p], h[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm256_shuffle_ps(h[2 * p], h[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    // low half: sums of v0, v2, v4, v6; high half: v1, v3, v5, v7
-    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
 
 // Query heads taken together per pass over their key head's keys and values: each key and value vector loaded
 // once serves HP heads (grouped-query attention: the target's 12 heads read 2 key heads). Only the schedule

@@ -1,4 +1,5 @@
-// Vector math shared by the CPU kernels (attention_cpu.cpp, decoder_cpu.cpp); AVX2 + FMA builds only.
+// Vector math shared by the CPU kernels (attention_cpu.cpp, decoder_cpu.cpp, half_matmul_cpu.cpp); AVX2 + FMA builds
+// only.
 #pragma once
 #include <immintrin.h>
 
@@ -8,6 +9,23 @@ inline float lanes_sum(__m256 v) {  // a fixed-order reduction of 8 lanes
     alignas(32) float l[8];
     _mm256_store_ps(l, v);
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+// lanes_sum of eight vectors at once, as one vector [sum(v[0]), ..., sum(v[7])]: the same additions in the
+// same pairing, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so each the same bits as lanes_sum.
+inline __m256 lanes_sum8(const __m256* v) {
+    __m256 h[4];  // h[p]: lanes 0-3 = v[2p]'s l_k + l_k+4, lanes 4-7 = v[2p + 1]'s
+    for (int p = 0; p < 4; ++p)
+        h[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+    __m256 u[2];  // u[p], per 128-bit half: [x(l0+l4 + l2+l6), x(l1+l5 + l3+l7), y(...), y(...)]
+    for (int p = 0; p < 2; ++p)
+        u[p] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * p], h[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(h[2 * p], h[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // low half: sums of v0, v2, v4, v6; high half: v1, v3, v5, v7
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 // e^x for x <= 0 (scores minus their maximum), Cephes' single-precision method: x = n ln2 + r, e^r by a

@@ -56,6 +56,17 @@ def test_a_row_gets_the_same_bits_in_any_call(n, k, bias):
     assert torch.equal(half(x.reshape(13, 1, k)).reshape(13, n), alone)  # leading dimensions as nn.Linear's
 
 
+@pytest.mark.parametrize("n, k, bias", [(37, 64, True), (512, 512, True), (70, 2048, False)])
+def test_many_rows_widen_the_weights_once_and_keep_the_bits(n, k, bias):
+    """Calls of 64 rows or more (Whisper's 1,500 encoder frames) go by blocks of widened weights: every row the
+    bits of its one-row call, whatever the remainder of rows (6-row tiles) and of columns (blocks of 32, tiles of 4)."""
+    half = HalfLinear.from_linear(fp16_linear(n, k, bias, seed=8))
+    x = torch.randn(131, k)
+    alone = torch.cat([half(x[r:r + 1]) for r in range(131)])
+    for m in (64, 65, 70, 131):
+        assert torch.equal(half(x[:m]), alone[:m]), f"{m} rows"
+
+
 def test_from_linear_refuses_what_would_change_the_layer():
     linear = fp16_linear(16, 64, True, seed=2)
     assert HalfLinear.from_linear(linear) is not None
@@ -83,15 +94,17 @@ def test_halving_a_module_keeps_its_outputs_and_survives_dtype_casts():
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
 def test_other_builds_compute_the_same_bits(tmp_path, march):
     """AVX2 with 2-row tiles (haswell) and the portable scalar path (x86-64: no F16C) against this machine's
-    build: the same fp32 operations per output, so the same bits; a trace's target does not depend on the CPU."""
+    build, few rows and many (widened blocks): the same fp32 operations per output, so the same bits; a trace's
+    target does not depend on the CPU."""
     lib_path = tmp_path / f"half-{march}.so"
     subprocess.run([_compiler(), "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
                     str(SOURCE), "-o", str(lib_path)], check=True, capture_output=True, timeout=300)
+    # (the source includes vector_math.h beside it)
     lib = ctypes.CDLL(str(lib_path))
     lib.specviz_f16_matmul.argtypes = cpu_kernels.library().specviz_f16_matmul.argtypes
     for n, k, bias in SHAPES:
         half = HalfLinear.from_linear(fp16_linear(n, k, bias, seed=5))
-        for m in (1, 2, 3, 5, 8):
+        for m in (1, 2, 3, 5, 8, 67):
             x = torch.randn(m, k)
             theirs = torch.empty(m, n)
             lib.specviz_f16_matmul(x.data_ptr(), m, k, half.bits.data_ptr(), n, cpu_kernels.address(half.bias),

@@ -68,24 +68,25 @@ def _status(pid: int) -> dict[str, str]:
     return dict(line.split(":", 1) for line in lines if ":" in line)
 
 
-def _settled_threads(pid: int, reads: int = 5, gap_s: float = 0.05) -> int:
-    """The server's thread count, the least of a few reads: a thread that lives for one request (the server
-    answering the session that just left) is gone a moment later, and sampling it once made a clean run look like
-    growth (11 against 10, once in a CI run); a leaked thread stays in every read."""
-    counts = []
-    for i in range(reads):
-        counts.append(int(_status(pid)["Threads"]))
-        if i + 1 < reads:
-            time.sleep(gap_s)
-    return min(counts)
+def _settled_threads(pid: int, baseline: int | None, settle_s: float = 2.0) -> int:
+    """The server's thread count once the run just ended has let go of its threads: a run's worker ends with the
+    run, and its OpenMP team a moment later (a CI run sampled 11 against 10 right after the last run). Read again
+    every 50 ms while above `baseline`, for at most settle_s; without a baseline (the first sample), the least
+    count over settle_s. A leaked thread stays through every read."""
+    deadline = time.perf_counter() + settle_s
+    least = int(_status(pid)["Threads"])
+    while (baseline is None or least > baseline) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+        least = min(least, int(_status(pid)["Threads"]))
+    return least
 
 
-def sample(server: AppServer, after: str) -> Sample:
+def sample(server: AppServer, after: str, baseline: Sample | None = None) -> Sample:
     status = _status(server.proc.pid)
     exports = server.temp / "gradio" / page.EXPORT_DIR.name
     files = [p for p in server.temp.rglob("*") if p.is_file() and exports not in p.parents]
     exported = [p for p in exports.rglob("*") if p.is_file()]
-    return Sample(after, int(status["VmRSS"].split()[0]) / 1024, _settled_threads(server.proc.pid),
+    return Sample(after, int(status["VmRSS"].split()[0]) / 1024, _settled_threads(server.proc.pid, baseline and baseline.threads),
                   len(os.listdir(f"/proc/{server.proc.pid}/fd")), len(files),
                   sum(p.stat().st_size for p in files) / 1e6, sum(1 for _ in exports.iterdir()),
                   sum(p.stat().st_size for p in exported) / 1e6)
@@ -131,7 +132,7 @@ def test_many_runs_in_a_row_hold_memory_threads_and_temp_files_bounded(server, m
     for n in range(RUNS):
         shown = _one_run(server, model_dirs, tmp_path, WARMUP + n)
         assert "Done" in shown["status"] and shown["output"] == first, (n, shown["status"], shown["output"])
-        samples.append(sample(server, f"run {n + 1}"))
+        samples.append(sample(server, f"run {n + 1}", samples[0]))
     _print(samples, every=max(1, RUNS // 10))
     print(f"{RUNS} runs in {time.perf_counter() - started:.0f} s")
 
@@ -158,9 +159,9 @@ def test_repeated_large_uploads_give_their_memory_back(server, model_dirs, tmp_p
     for n in range(UPLOADS):
         restored = _one_upload(server, big, tmp_path, n)
         assert "Loaded trace" in restored["status"], restored["status"]
-        samples.append(sample(server, f"upload {n + 1}"))
+        samples.append(sample(server, f"upload {n + 1}", samples[0]))
     time.sleep(2)
-    samples.append(sample(server, "settled"))
+    samples.append(sample(server, "settled", samples[0]))
     _print(samples, every=1)
 
     base, end = samples[0], samples[-1]

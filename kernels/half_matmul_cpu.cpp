@@ -58,18 +58,31 @@ inline void store(const __m256 (&acc)[MT][NT], const float* bias, float* y, int6
         for (int n = 0; n < NT; ++n) y[(m0 + m) * N + n0 + n] = sums[m * NT + n] + (bias ? bias[n0 + n] : 0.0f);
 }
 
-// MT rows from m0 × NT columns from n0
-template <int MT, int NT>
-void tile(const float* x, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y, int64_t m0, int64_t n0) {
+// Where a tile's weight rows come from: W itself (fp16, widened at each load, prefetched ahead), or a block of
+// them widened once (wide_block). Both give _mm256_cvtph_ps's values, so the same bits.
+struct HalfRows {
+    const uint16_t* w;  // row n0 of W
+    int64_t K;
+    __m256 load(int n, int64_t k) const {
+        _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k + PREFETCH), _MM_HINT_T0);  // rows ahead
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + k)));
+    }
+};
+struct WideRows {
+    const float* wide;  // [NT, K], rows n0 … of W as fp32
+    int64_t K;
+    __m256 load(int n, int64_t k) const { return _mm256_loadu_ps(wide + n * K + k); }
+};
+
+// MT rows from m0 × NT columns from n0, the columns' weights read through `rows`
+template <int MT, int NT, typename Rows>
+void tile(const float* x, int64_t K, const Rows& rows, int64_t N, const float* bias, float* y, int64_t m0, int64_t n0) {
     __m256 acc[MT][NT];
     for (int m = 0; m < MT; ++m)
         for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
         __m256 wv[NT];
-        for (int n = 0; n < NT; ++n) {
-            _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + n) * K + k + PREFETCH), _MM_HINT_T0);  // rows ahead
-            wv[n] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n0 + n) * K + k)));
-        }
+        for (int n = 0; n < NT; ++n) wv[n] = rows.load(n, k);
         for (int m = 0; m < MT; ++m) {
             const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);
             for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
@@ -82,27 +95,9 @@ void tile(const float* x, int64_t K, const uint16_t* w, int64_t N, const float* 
 template <int NT>
 void columns(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y, int64_t n0) {
     int64_t m = 0;
-    for (; m + ROWS <= M; m += ROWS) tile<ROWS, NT>(x, K, w, N, bias, y, m, n0);
-    for (; m < M; ++m) tile<1, NT>(x, K, w, N, bias, y, m, n0);
-}
-
-// The same tile over weights already widened to fp32: wide [NT, K] holds rows n0 … of W (the values
-// _mm256_cvtph_ps gives, so the same bits)
-template <int MT, int NT>
-void wide_tile(const float* x, int64_t K, const float* wide, int64_t N, const float* bias, float* y, int64_t m0,
-               int64_t n0) {
-    __m256 acc[MT][NT];
-    for (int m = 0; m < MT; ++m)
-        for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 wv[NT];
-        for (int n = 0; n < NT; ++n) wv[n] = _mm256_loadu_ps(wide + n * K + k);
-        for (int m = 0; m < MT; ++m) {
-            const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);
-            for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
-        }
-    }
-    store<MT, NT>(acc, bias, y, N, m0, n0);
+    const HalfRows rows{w + n0 * K, K};
+    for (; m + ROWS <= M; m += ROWS) tile<ROWS, NT>(x, K, rows, N, bias, y, m, n0);
+    for (; m < M; ++m) tile<1, NT>(x, K, rows, N, bias, y, m, n0);
 }
 
 // Many rows (Whisper's cross-attention keys and values: 1,500 encoder frames): a block of BLOCK_COLUMNS weight rows
@@ -119,13 +114,13 @@ void wide_block(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t
     int64_t m = 0;
     for (; m + WIDE_ROWS <= M; m += WIDE_ROWS) {
         int64_t n = 0;
-        for (; n + NT <= columns; n += NT) wide_tile<WIDE_ROWS, NT>(x, K, wide + n * K, N, bias, y, m, n0 + n);
-        for (; n < columns; ++n) wide_tile<WIDE_ROWS, 1>(x, K, wide + n * K, N, bias, y, m, n0 + n);
+        for (; n + NT <= columns; n += NT) tile<WIDE_ROWS, NT>(x, K, WideRows{wide + n * K, K}, N, bias, y, m, n0 + n);
+        for (; n < columns; ++n) tile<WIDE_ROWS, 1>(x, K, WideRows{wide + n * K, K}, N, bias, y, m, n0 + n);
     }
     for (; m < M; ++m) {
         int64_t n = 0;
-        for (; n + NT <= columns; n += NT) wide_tile<1, NT>(x, K, wide + n * K, N, bias, y, m, n0 + n);
-        for (; n < columns; ++n) wide_tile<1, 1>(x, K, wide + n * K, N, bias, y, m, n0 + n);
+        for (; n + NT <= columns; n += NT) tile<1, NT>(x, K, WideRows{wide + n * K, K}, N, bias, y, m, n0 + n);
+        for (; n < columns; ++n) tile<1, 1>(x, K, WideRows{wide + n * K, K}, N, bias, y, m, n0 + n);
     }
 }
 #else

@@ -104,9 +104,7 @@ def kernel_decoder(model: WhisperForConditionalGeneration) -> int:
 def decoder_weights(model: WhisperForConditionalGeneration) -> str:
     """What a Whisper decoder's layers run on, named in traces as the text models' are (models.packed.describe)."""
     decoder = model.model.decoder
-    linears = [m for layer in decoder.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-               layer.self_attn.v_proj, layer.self_attn.out_proj, layer.encoder_attn.q_proj, layer.encoder_attn.k_proj,
-               layer.encoder_attn.v_proj, layer.encoder_attn.out_proj, layer.fc1, layer.fc2)]
+    linears = [m for layer in decoder.layers for m in lean_decoder.layer_linears(layer)]
 
     def kind(m: nn.Module) -> str:
         if isinstance(m, HalfLinear):

@@ -26,7 +26,8 @@ from specviz.models.packed import PackedLinear
 _KERNEL_LINEARS = (HalfLinear, PackedLinear)
 
 
-def _linears(layer: nn.Module) -> list[nn.Module]:
+def layer_linears(layer: nn.Module) -> list[nn.Module]:
+    """A Whisper decoder layer's ten linear layers (self- and cross-attention's q, k, v, out; fc1, fc2)."""
     s, c = layer.self_attn, layer.encoder_attn
     return [s.q_proj, s.k_proj, s.v_proj, s.out_proj, c.q_proj, c.k_proj, c.v_proj, c.out_proj, layer.fc1, layer.fc2]
 
@@ -40,7 +41,7 @@ def supports(model: nn.Module) -> bool:
     if decoder.config.activation_function != "gelu" or (decoder.config.d_model // decoder.config.decoder_attention_heads) % 8:
         return False  # the attention kernel takes head widths in multiples of 8
     return isinstance(model.proj_out, _KERNEL_LINEARS) and all(
-        isinstance(m, _KERNEL_LINEARS) for layer in decoder.layers for m in _linears(layer))
+        isinstance(m, _KERNEL_LINEARS) for layer in decoder.layers for m in layer_linears(layer))
 
 
 def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:  # nn.LayerNorm's forward

@@ -1,15 +1,12 @@
 """specviz: speculative decoding you can watch.
 
 models → decoding → traces → runs → figures → page / cli, one way (tests/test_layout.py checks it).
-`verify` is the public verification interface; `runs.run.run` decodes a source (text or speech, one
-sequence or a batch) into a trace. Module paths from before the subpackages (`specviz.engine`,
-`specviz.trace`, …) still import, as the same module objects (specviz._moved).
+`verify` is the public verification interface; `runs.decode.run` decodes a source (text or speech, one
+sequence or a batch) into a trace. Every module is imported by its one path (`specviz.decoding.engine`,
+`specviz.traces.trace`, …); the packages' docstrings say what each holds.
 """
 
-from specviz import _moved
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.verify import VerifyResult, verify
-
-_moved.install()
 
 __all__ = ["SamplingConfig", "SpecConfig", "VerifyResult", "verify"]

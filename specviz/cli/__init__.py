@@ -3,9 +3,3 @@ benchmarks, with progress bars.
 
 Imports every package below it except the page.
 """
-
-
-def __getattr__(name: str) -> object:  # the names of the old specviz/cli.py (specviz._moved)
-    from specviz._moved import forward
-
-    return forward(__name__, name)

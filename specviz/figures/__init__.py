@@ -3,9 +3,3 @@
 
 Imports runs/ (compare rows), traces/, decoding.records and the top-level modules.
 """
-
-
-def __getattr__(name: str) -> object:  # the names of the old specviz/figures.py (specviz._moved)
-    from specviz._moved import forward
-
-    return forward(__name__, name)

@@ -5,9 +5,3 @@ the lean forward over them (lean.py), and the prompt cache.
 Owns everything that turns files into `nn.Module`s and makes their forward fast on a CPU. Imports only
 specviz's top-level modules (config, cache, machine, ...); nothing here knows about speculation.
 """
-
-
-def __getattr__(name: str) -> object:  # the names of the old specviz/models.py (specviz._moved)
-    from specviz._moved import forward
-
-    return forward(__name__, name)

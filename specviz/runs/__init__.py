@@ -4,9 +4,3 @@ one run (`run`), and every mode side by side (`compare`).
 Imports text/, speech/, traces/, decoding/, models/ and the top-level modules; never figures, the page or the
 CLI.
 """
-
-
-def __getattr__(name: str) -> object:  # the names of the old specviz/runs.py (specviz._moved)
-    from specviz._moved import forward
-
-    return forward(__name__, name)

@@ -1,4 +1,4 @@
-"""The batch-invariant CPU attention (kernels/attention_cpu.cpp via specviz.models.cpu_attention).
+"""The batch-invariant CPU attention (kernels/cpu/attention_cpu.cpp via specviz.models.cpu_attention).
 
 - Against torch's SDPA on random queries, keys and values with grouped heads, a causal mask with left
   padding, and a verification-shaped call (a few rows over a long cache): equal up to fp32 rounding.

@@ -1,4 +1,4 @@
-"""The fp16-weight kernel (kernels/half_matmul_cpu.cpp, specviz.models.half_linear): the same products as fp32
+"""The fp16-weight kernel (kernels/cpu/half_matmul_cpu.cpp, specviz.models.half_linear): the same products as fp32
 up to summation order, every row the same bits in any call and on every build. Whisper's decoder on it transcribes
 as the fp32 decoder does (tests/test_asr.py)."""
 

@@ -1,4 +1,4 @@
-"""Tests of the CUDA verification kernels: kernels/verify.cu and its CuPy wrapper (the kernels/ package).
+"""Tests of the CUDA verification kernels: kernels/cuda/verify.cu and its CuPy wrapper (the kernels/cuda/ package).
 
 What the CPU emulation (below; built with g++, no GPU) checks, and what it cannot:
 - It runs the real verify.cu source on CPU tensors, one block at a time in a shuffled order, each CUDA
@@ -19,7 +19,7 @@ What the CPU emulation (below; built with g++, no GPU) checks, and what it canno
 Everywhere (no GPU needed), besides the emulation:
 - every .cu file compiles (nvcc for sm_90 with warnings as errors; else CuPy's NVRTC), and with NVRTC too
   where CuPy is installed (the path `available()` takes at run time);
-- the package loads from this repository's kernels/ as `specviz_kernels` (never a PyPI `kernels`), imports
+- the package loads from this repository's kernels/cuda/ as `specviz_kernels` (never a PyPI `kernels`), imports
   without CuPy, and `available()` is False without a GPU, without raising;
 - the planner sizes grids to fill the GPU, handles chunk sizes that do not divide V, and caches one plan
   per (shapes, dtypes, strides, settings), patching only pointers;
@@ -76,7 +76,7 @@ import torch
 
 from specviz.verify import project_kernels
 
-kernels = project_kernels()  # the project's own kernels/ (a PyPI package is also named `kernels`)
+kernels = project_kernels()  # the project's own kernels/cuda/ (a PyPI package is also named `kernels`)
 from specviz.config import SamplingConfig
 from specviz.sampling import InvalidLogitsError, standardize
 from specviz.verify import kernel_sampling
@@ -456,19 +456,21 @@ def test_converted_logits_are_read_contiguous():
 
 
 def test_loads_this_repositorys_kernels_and_never_a_package_named_kernels(tmp_path):
-    """project_kernels() loads kernels/ of this repository as `specviz_kernels`, submodules included, even
+    """project_kernels() loads kernels/cuda/ of this repository as `specviz_kernels`, submodules included, even
     when a package named `kernels` comes first on sys.path and the working directory is elsewhere."""
     decoy = tmp_path / "site" / "kernels"
     decoy.mkdir(parents=True)
     (decoy / "__init__.py").write_text("raise ImportError('the decoy kernels package was imported')\n")
     (decoy / "plan.py").write_text("raise ImportError('the decoy kernels.plan was imported')\n")
+    (decoy / "cuda").mkdir()
+    (decoy / "cuda" / "__init__.py").write_text("raise ImportError('the decoy kernels.cuda was imported')\n")
     code = (
         "import sys\n"
         "from specviz.verify import project_kernels\n"
         "k = project_kernels()\n"
         "assert project_kernels() is k and k.__name__ == 'specviz_kernels'\n"
         "k.available(); k.plan_chunks('exact', 1, 1, 100, 4)\n"
-        "assert 'kernels' not in sys.modules, sys.modules['kernels']\n"
+        "assert not [n for n in sys.modules if n.split('.')[0] == 'kernels'], sys.modules.get('kernels')\n"
         "for name, m in sorted(sys.modules.items()):\n"
         "    if name.split('.')[0] == 'specviz_kernels':\n"
         "        print(name, m.__file__)\n"
@@ -480,12 +482,12 @@ def test_loads_this_repositorys_kernels_and_never_a_package_named_kernels(tmp_pa
     loaded = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     assert {"specviz_kernels", "specviz_kernels.plan", "specviz_kernels.launcher"} <= loaded.keys()
     for name, file in loaded.items():
-        assert Path(file).parent == REPO / "kernels", (name, file)
-    # In this process too: every submodule the package holds comes from kernels/ here.
-    assert kernels.__name__ == "specviz_kernels" and Path(kernels.__file__) == REPO / "kernels" / "__init__.py"
+        assert Path(file).parent == REPO / "kernels" / "cuda", (name, file)
+    # In this process too: every submodule the package holds comes from kernels/cuda/ here.
+    assert kernels.__name__ == "specviz_kernels" and Path(kernels.__file__) == REPO / "kernels" / "cuda" / "__init__.py"
     for sub in ("sources", "build", "plan", "outputs", "launcher"):
         module = getattr(kernels, sub)
-        assert module.__name__ == f"specviz_kernels.{sub}" and Path(module.__file__).parent == REPO / "kernels"
+        assert module.__name__ == f"specviz_kernels.{sub}" and Path(module.__file__).parent == REPO / "kernels" / "cuda"
 
 
 def _race(n_threads: int, work) -> list:

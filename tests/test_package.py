@@ -50,8 +50,11 @@ def test_pip_install_gives_both_commands(tmp_path):
              "assert (p.ASSETS / 'sample_speech.flac').stat().st_size > 100_000\n"
              "assert (p.ASSETS / 'eval' / 'text' / 'manifest.jsonl').is_file()\n"
              "from specviz.native import SOURCES, HEADERS\n"
-             "assert all(f.is_file() and f.parent == p.KERNELS for f in SOURCES + HEADERS), SOURCES + HEADERS\n"
-             "assert (p.KERNELS / 'verify.cu').is_file()\n")
+             "assert all(f.is_file() and f.parent == p.KERNELS / 'cpu' for f in SOURCES + HEADERS), SOURCES + HEADERS\n"
+             "assert (p.KERNELS / 'cuda' / 'verify.cu').is_file()\n"
+             "from specviz.verify import project_kernels\n"
+             "k = project_kernels()\n"
+             "assert k.source_files() == [p.KERNELS / 'cuda' / 'verify.cu'] and k.available() in (True, False)\n")
     out = subprocess.run([str(bin_dir / "python"), "-c", probe], cwd=elsewhere, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

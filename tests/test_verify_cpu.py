@@ -1,4 +1,4 @@
-"""`exact`'s full-vocabulary passes in C++ on the CPU (kernels/verify_cpu.cpp, specviz/verify/cpu.py).
+"""`exact`'s full-vocabulary passes in C++ on the CPU (kernels/cpu/verify_cpu.cpp, specviz/verify/cpu.py).
 
 Exactness itself is tested by tests/test_verify_statistics.py, which runs every suite on these passes
 (`exact`) and on the torch path (`exact/torch`). Here: the normalizers against float64, the decisions
@@ -119,7 +119,8 @@ def test_decisions_agree_with_the_torch_path(V: int):
 def _build(tmp_path, march: str) -> ctypes.CDLL:
     out = tmp_path / f"verify-{march}.so"
     subprocess.run([native._compiler(), "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-                    str(KERNELS / "verify_cpu.cpp"), "-o", str(out)], check=True, capture_output=True, timeout=300)
+                    str(KERNELS / "cpu" / "verify_cpu.cpp"), "-o", str(out)],
+                   check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(out))
     here = native.library()
     for name in ("specviz_row_lse", "specviz_residual_pick"):

@@ -3,7 +3,7 @@
 //
 // torch's scaled_dot_product_attention blocks queries and keys by the call's lengths, so a position's output
 // moved by ~1e-6 between a call over 12 positions and one over 20: harmless for fp32 logits, but enough for
-// 8-bit activations (specviz.packed) to round a code the other way. Here each (sequence, head, row) is one
+// 8-bit activations (specviz.models.packed) to round a code the other way. Here each (sequence, head, row) is one
 // task that walks its own keys in order: the same operations for a row in a prefill, in a verification call
 // of γ + 1 rows beside other sequences, or alone; only the set of keys it may see (the mask) decides.
 //
@@ -11,7 +11,7 @@
 // positions of [B, Hkv, Sk, D] contiguous buffers
 // (Sk = S for plain tensors; H a multiple of Hkv: grouped queries share a key head), mask [B, L, S] uint8 (1: row
 // i sees key j), out [B, L, H, D]. D a multiple of 8.
-// Built with qmatmul_cpu.cpp into one library (specviz.cpu_kernels).
+// Built with qmatmul_cpu.cpp into one library (specviz.native).
 
 #include <stdint.h>
 #include <string.h>

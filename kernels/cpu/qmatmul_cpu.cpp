@@ -17,7 +17,7 @@
 // to reuse a dequantized slice; each (row, column) keeps one 8-lane accumulator, walks K in the same order
 // and is reduced in a fixed order. Threads split N, never K. Any M goes through the same code.
 //
-// Built once per machine by specviz.cpu_kernels with -march=native and OpenMP (the same libgomp torch
+// Built once per machine by specviz.native with -march=native and OpenMP (the same libgomp torch
 // loads, so the two share one thread pool).
 
 #include <stdint.h>

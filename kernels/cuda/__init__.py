@@ -29,7 +29,7 @@ Submodules, one idea each: `sources` (verify.cu's files, sizes and entry points)
 availability), `spec` (`LaunchSpec`: one call's launch without its data: layout, settings, their checks),
 `plan` (grids, buffer layout, argument lists; cached per `LaunchSpec`), `outputs` (the
 output bytes: views, host lists, errors), `launcher` (launching on torch's stream, the readback). They
-import each other relatively only: specviz loads this package by path as `specviz_kernels`
+import each other relatively only: specviz loads this package (kernels/cuda/) by path as `specviz_kernels`
 (`specviz.verify.project_kernels`), never as `kernels`, the name of an unrelated PyPI package.
 
 Importing this package needs neither CuPy nor a GPU: CuPy is imported inside the functions that use it.

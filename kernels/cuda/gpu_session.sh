@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's work, in the phases a lease's calls can hold (each well under 10 minutes):
-#   bash kernels/gpu_session.sh tests     the GPU tests (-m gpu) and the compile checks, then the goal case
-#   bash kernels/gpu_session.sh bench     bench-verify over V × γ × B × dtype (and with top-p)
-#   bash kernels/gpu_session.sh sanitize  compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small cases
-#   bash kernels/gpu_session.sh e2e       end to end: random-weight models of the embedded pair's shapes
+#   bash kernels/cuda/gpu_session.sh tests     the GPU tests (-m gpu) and the compile checks, then the goal case
+#   bash kernels/cuda/gpu_session.sh bench     bench-verify over V × γ × B × dtype (and with top-p)
+#   bash kernels/cuda/gpu_session.sh sanitize  compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small cases
+#   bash kernels/cuda/gpu_session.sh e2e       end to end: random-weight models of the embedded pair's shapes
 # Outputs go to $OUT (the device tool's folder) or ./gpu-out. Wheels the GPU image lacks (gguf, soundfile,
 # transformers at our pin) travel in .whl/; the Qwen tokenizer and the pair's configs in .gpu/.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

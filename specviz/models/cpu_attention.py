@@ -1,4 +1,4 @@
-"""Batch-invariant attention for the CPU target (kernels/attention_cpu.cpp), plugged into transformers.
+"""Batch-invariant attention for the CPU target (kernels/cpu/attention_cpu.cpp), plugged into transformers.
 
 Contract: a position's attention output depends on its query and the keys and values it may see, never on
 how many other positions or sequences share the call; each row walks exactly its visible keys in order.

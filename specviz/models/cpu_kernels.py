@@ -1,4 +1,4 @@
-"""The models' CPU kernels (kernels/qmatmul_cpu.cpp, kernels/attention_cpu.cpp): packed matrix multiplies and
+"""The models' CPU kernels (kernels/cpu/qmatmul_cpu.cpp, kernels/cpu/attention_cpu.cpp): packed matrix multiplies and
 the batch-invariant attention, called through ctypes on the library specviz.native builds once per machine.
 """
 
@@ -73,7 +73,7 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
 
 def f16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 contiguous (K a multiple of 8), weight [N, K] fp16 contiguous, bias [N] fp32 or None -> y [M, N]
-    fp32 (kernels/half_matmul_cpu.cpp: any M, each row's outputs the same bits whatever else is in the call)."""
+    fp32 (kernels/cpu/half_matmul_cpu.cpp: any M, each row's outputs the same bits whatever else is in the call)."""
     M, K = x.shape
     N = weight.shape[0]
     if (K % 8 or weight.shape[1] != K or weight.element_size() != 2 or not weight.is_contiguous()
@@ -88,7 +88,7 @@ def f16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 # The 8-bit-activation kernels read their weights interleaved: eight output columns side by side
-# (kernels/qmatmul_cpu.cpp has the byte layout). N8 = ceil(N / 8), the number of 8-column blocks.
+# (kernels/cpu/qmatmul_cpu.cpp has the byte layout). N8 = ceil(N / 8), the number of 8-column blocks.
 
 def q4_interleave(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Linear layers whose weights are fp16 values, run on the CPU kernel for fp16 weights (kernels/half_matmul_cpu.cpp).
+"""Linear layers with fp16-valued weights, run on the CPU kernel for fp16 weights (kernels/cpu/half_matmul_cpu.cpp).
 
 Whisper's weights are fp16 (the embedded model is a CTranslate2 fp16 conversion); loaded into fp32 they are still
 exactly fp16 values, so keeping them as fp16 loses nothing. The kernel reads half the bytes of fp32 and costs

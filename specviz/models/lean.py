@@ -8,7 +8,7 @@ the attention mask is built once per call, q/k/v are one kernel call and gate/up
 concatenated where they share a format), attention goes straight to the batch-invariant kernel.
 
 Two paths, one per model (a run and its target-only reference always decode through the same one):
-- native (models/native_forward.py, kernels/decoder_cpu.cpp): where every projection has 8-bit activations,
+- native (models/native_forward.py, kernels/cpu/decoder_cpu.cpp): where every projection has 8-bit activations,
   all layers in one native call per step. Batch-invariant bit for bit; transformers' logits up to rounding.
 - torch: otherwise. Every number is computed by the same operations in the same order as transformers'
   Qwen2 forward on the same modules (norms, rotary, residuals, SiLU; a fused projection's columns are

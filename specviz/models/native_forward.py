@@ -1,4 +1,4 @@
-"""The decoder layers in one native call per step (kernels/decoder_cpu.cpp), for the lean forward's models whose
+"""The decoder layers in one native call per step (kernels/cpu/decoder_cpu.cpp), for the lean forward's models whose
 every projection has 8-bit activations.
 
 Why: after the matmuls reached the memory's speed, the 0.5B draft's two-core step was still ~30% norms,

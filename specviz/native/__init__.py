@@ -1,4 +1,4 @@
-"""The C++ kernels' one library (kernels/qmatmul_cpu.cpp, attention_cpu.cpp, decoder_cpu.cpp, verify_cpu.cpp):
+"""The C++ kernels' one library (kernels/cpu/: qmatmul_cpu.cpp, attention_cpu.cpp, decoder_cpu.cpp, verify_cpu.cpp):
 built once per machine, loaded through ctypes, its functions declared here.
 
 Built with the system's C++ compiler, -O3 -march=native and OpenMP, into the model cache (keyed by the
@@ -25,9 +25,9 @@ from typing import Callable
 from specviz.cache import cache_dir
 from specviz.paths import KERNELS
 
-SOURCES = [KERNELS / name for name in ("qmatmul_cpu.cpp", "half_matmul_cpu.cpp", "attention_cpu.cpp",
-                                        "decoder_cpu.cpp", "verify_cpu.cpp")]
-HEADERS = [KERNELS / "vector_math.h"]  # included by the sources: part of what a build is keyed by
+SOURCES = [KERNELS / "cpu" / name for name in ("qmatmul_cpu.cpp", "half_matmul_cpu.cpp", "attention_cpu.cpp",
+                                               "decoder_cpu.cpp", "verify_cpu.cpp")]
+HEADERS = [KERNELS / "cpu" / "vector_math.h"]  # included by the sources: part of what a build is keyed by
 
 
 class KernelBuildError(RuntimeError):

@@ -17,9 +17,9 @@ tensor), then the residual draw. `baseline` draws the residual with torch.multin
 does, so that both make identical decisions from identically seeded generators.
 
 The engine holds a batch's facts in one `VerifyMetadata` and calls `verify_batch`; `verify` builds that
-object from its keywords. The torch paths are `baseline` and `tiled`; the CUDA kernels (kernels/, loaded by
+object from its keywords. The torch paths are `baseline` and `tiled`; the CUDA kernels (kernels/cuda/, loaded by
 `cuda`) take over exact and sigmoid on CUDA tensors, and on the CPU exact's two full-vocabulary passes run in
-C++ (`cpu`, kernels/verify_cpu.cpp) unless the backend is 'torch'. Imports config, sampling, paths and native only.
+C++ (`cpu`, kernels/cpu/verify_cpu.cpp) unless the backend is 'torch'. Imports config, sampling, paths and native only.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def verify(
     mode: 'baseline' (transformers' algorithm), 'exact' (Wagner et al. §3.2.1 tiled pass) or 'sigmoid'
     (Wagner et al. §3.2.2, approximate). lenience l in (0, 1] multiplies q before the comparison
     (Leviathan et al. A.5); 1 keeps the output distribution exact. backend: 'auto' runs `exact` and
-    `sigmoid` on CUDA tensors with the CuPy kernels in kernels/ when they work, and `exact`'s two
+    `sigmoid` on CUDA tensors with the CuPy kernels in kernels/cuda/ when they work, and `exact`'s two
     full-vocabulary passes on fp32 CPU tensors in C++ (specviz.verify.cpu; both with the same random numbers
     and the same decisions up to floating-point near-ties); 'torch' runs everything in torch; 'cuda' requires
     the kernels for exact and sigmoid (baseline, transformers' algorithm, has no kernel and runs on torch

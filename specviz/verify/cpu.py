@@ -1,4 +1,4 @@
-"""Exact verification's two full-vocabulary passes in C++ on the CPU (kernels/verify_cpu.cpp), behind
+"""Exact verification's two full-vocabulary passes in C++ on the CPU (kernels/cpu/verify_cpu.cpp), behind
 `verify_tiled`: each row's log-normalizer, and the residual draw at the position that needs a new token.
 
 The algorithm and the random numbers are the torch path's (Wagner et al.'s tiled pass); only the sums run

@@ -1,4 +1,4 @@
-"""The CUDA kernels behind `verify`: loading the project's own kernels/ package by path, when they apply, and
+"""The CUDA kernels behind `verify`: loading the project's own kernels/cuda/ package by path, when they apply, and
 the arguments they take (the same uniforms in the same order as the torch path, so decisions agree)."""
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ _kernels_lock = threading.Lock()  # two threads' first calls must not both load 
 
 
 def project_kernels() -> ModuleType:
-    """specviz's own top-level kernels/ package, loaded from its path under a private module name.
+    """specviz's own kernels/cuda/ package, loaded from its path under a private module name.
 
     A PyPI package is also called `kernels`; a plain `import kernels` could pick that one up (or miss ours
     when the working directory is elsewhere), so specviz never imports it by that name. The package's
-    submodules import each other relatively, so they resolve under `specviz_kernels` from kernels/ too.
+    submodules import each other relatively, so they resolve under `specviz_kernels` from kernels/cuda/ too.
     """
     with _kernels_lock:
         module = sys.modules.get(_KERNELS_MODULE)
@@ -38,8 +38,8 @@ def project_kernels() -> ModuleType:
 
 
 def _load_kernels() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(_KERNELS_MODULE, KERNELS / "__init__.py",
-                                                  submodule_search_locations=[str(KERNELS)])
+    spec = importlib.util.spec_from_file_location(_KERNELS_MODULE, KERNELS / "cuda" / "__init__.py",
+                                                  submodule_search_locations=[str(KERNELS / "cuda")])
     module = importlib.util.module_from_spec(spec)
     # Registered before it runs: its relative imports find the parent package in sys.modules.
     sys.modules[_KERNELS_MODULE] = module
@@ -131,5 +131,5 @@ def verify_kernels(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Te
     args = kernel_args(mode, draft_tokens, draft_logits, target_logits, sampling, generator)
     done = project_kernels().launch(mode, draft_tokens, args.draft_logits, args.target_logits, args.u, args.u_res,
                                     lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta, **args.options)
-    # kernels/ hands back plain dicts keyed like Verdict's fields: typed here, at the boundary
+    # kernels/cuda/ hands back plain dicts keyed like Verdict's fields: typed here, at the boundary
     return VerifyResult.of(Verdict(**done.outputs), host=VerifyHost(**done.host))

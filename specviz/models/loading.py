@@ -452,6 +452,9 @@ def load_pair(
         quantized_draft = device.type == "cpu"
     if quantized_draft and device.type != "cpu":
         raise ValueError("the quantized draft runs on the CPU only")
+    for name, role in ((draft, "draft"), (target, "target")):  # packed first, while the kernels may still build
+        if (source := _resolve(name, role)[0]) in EMBEDDED:
+            ensure_embedded(source, progress)
     d_model, d_tok, d_name, d_weights = _load_draft(draft, device, dtype, weights, quantized_draft, progress)
     t_model, t_tok, t_name = load_model(target, "target", device=device, dtype=dtype, weights=weights,
                                         progress=progress)

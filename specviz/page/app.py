@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -374,6 +376,24 @@ def sessions_kept(environ: Mapping[str, str]) -> int:
     return int(raw)
 
 
+def prepares_at_start(flag: bool | None, env: Mapping[str, str]) -> bool:
+    """--prepare / --no-prepare, else on a Space (SPACE_ID) or with SPECVIZ_PREPARE=1."""
+    if flag is not None:
+        return flag
+    return bool(env.get("SPACE_ID")) or env.get("SPECVIZ_PREPARE") == "1"
+
+
+def _log_progress(what: str) -> Callable[[str, "float | None"], None]:
+    """Progress as log lines (a Space's log): each new message once, with the time since start."""
+    start, last = time.monotonic(), [""]
+
+    def say(message: str, fraction: float | None) -> None:
+        if message != last[0]:
+            last[0] = message
+            print(f"specviz: {what}: {time.monotonic() - start:5.1f} s: {message}", file=sys.stderr, flush=True)
+    return say
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Start the specviz page.")
     parser.add_argument("--host", default=os.environ.get("SPECVIZ_HOST", "127.0.0.1"))
@@ -381,9 +401,15 @@ def main() -> None:
     parser.add_argument("--models-dir", action="append", default=None, metavar="DIR",
                         help="on a non-local address, local model paths are accepted only under these directories "
                              "(repeatable; default: the specviz model cache)")
+    parser.add_argument("--prepare", action=argparse.BooleanOptionalAction, default=None,
+                        help="load the default text pair in the background at start (default: on a Space, or with "
+                             "SPECVIZ_PREPARE=1), so the first Run does not wait for a cold cache")
     args = parser.parse_args()
     limits = sessions.SHARED_LIMITS if shared_by_strangers(args.host) else sessions.VisitorLimits()
-    demo = build(sessions.ModelCache(access=_model_access(args.host, args.models_dir)), limits)
+    models = sessions.ModelCache(access=_model_access(args.host, args.models_dir))
+    if prepares_at_start(args.prepare, os.environ):
+        models.prepare(_log_progress("preparing the default models"))
+    demo = build(models, limits)
     # allowed_paths: the sample clip is served from the assets folder wherever the app is started from
     # state_session_capacity: Gradio keeps a copy of the page's component state for each session (~0.9-3 MB
     # here) until it has seen this many newer ones; an API client's sessions never close.

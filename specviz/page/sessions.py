@@ -85,20 +85,24 @@ class ModelCache:
     lock (specviz.models.prompt_cache).
 
     One lock per pair keeps two sessions from loading the same pair twice without making a session that
-    wants another pair wait for a slow load; the short dictionary lock only guards the lock table.
+    wants another pair wait for a slow load; the short table lock guards the lock table and each load's latest
+    progress, which a session waiting on another's load (or on the start-up preparation) shows as its own.
     """
+
+    WAIT_POLL_S = 0.5  # how often a session waiting on another's load repeats that load's progress
 
     def __init__(self, loader: Callable[..., Any] = load_pair, speech_loader: Callable[..., Any] | None = None,
                  access: ModelAccess = ModelAccess()):
         self._text_loader, self._speech_loader, self.access = loader, speech_loader, access
         self._pairs: dict[tuple, Any] = {}
         self._key_locks: dict[tuple, threading.Lock] = {}
+        self._latest: dict[tuple, tuple[str, float | None]] = {}  # a load in flight: its last progress
         self._table_lock = threading.Lock()
 
     def text(self, draft: str, target: str, progress: Progress) -> ModelPair:
         self.access.check(draft, "draft")
         self.access.check(target, "target")
-        return self._get((TEXT, draft, target), lambda: self._text_loader(draft, target, progress=progress))
+        return self._get((TEXT, draft, target), lambda said: self._text_loader(draft, target, progress=said), progress)
 
     def speech(self, draft: str, target: str, progress: Progress):
         from specviz.speech.asr import load_speech_pair
@@ -106,16 +110,50 @@ class ModelCache:
         self.access.check(draft, "draft")
         self.access.check(target, "target")
         loader = self._speech_loader or load_speech_pair
-        return self._get((SPEECH, draft, target), lambda: loader(target, draft, dtype="fp32", progress=progress))
+        return self._get((SPEECH, draft, target), lambda said: loader(target, draft, dtype="fp32", progress=said),
+                         progress)
 
-    def _get(self, key: tuple, load: Callable[[], Any]):
+    def prepare(self, progress: Progress = lambda message, fraction: None) -> threading.Thread:
+        """Start loading the default text pair in the background (a Space's start: its first visitor should not
+        wait for a cold cache), the CPU kernels building beside it on the other core. A Run that asks for the pair
+        meanwhile waits for this load and shows its progress."""
+        from specviz import native
+
+        def load() -> None:
+            builder = threading.Thread(target=native.available, name="specviz-kernels", daemon=True)
+            builder.start()  # g++ in its own process while the blocks are packed
+            try:
+                self.text(DEFAULT, DEFAULT, progress)
+            except Exception as e:  # a visitor's Run then meets the same failure, with the page's message
+                progress(f"preparing the default models failed: {type(e).__name__}: {e}", None)
+            builder.join()
+
+        thread = threading.Thread(target=load, name="specviz-prepare", daemon=True)
+        thread.start()
+        return thread
+
+    def _get(self, key: tuple, load: Callable[[Progress], Any], progress: Progress):
         with self._table_lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
-        with key_lock:
+        while not key_lock.acquire(timeout=self.WAIT_POLL_S):  # another session is loading this pair
+            with self._table_lock:
+                latest = self._latest.get(key)
+            if latest is not None:
+                progress(*latest)
+        try:
             if key not in self._pairs:
+                def said(message: str, fraction: float | None) -> None:
+                    with self._table_lock:
+                        self._latest[key] = (message, fraction)
+                    progress(message, fraction)
+
                 with openmp.team_released():  # loaded in a handler's thread, which outlives the load
-                    self._pairs[key] = load()
+                    self._pairs[key] = load(said)
             return self._pairs[key]
+        finally:
+            with self._table_lock:
+                self._latest.pop(key, None)
+            key_lock.release()
 
 
 class StopFlag:

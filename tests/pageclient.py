@@ -177,7 +177,8 @@ def run_values(text: str, model_dirs: tuple[str, str], new_tokens: int) -> dict[
 
 
 def compare_values(text: str, model_dirs: tuple[str, str], new_tokens: int) -> dict[str, Any]:
-    return {"task": TEXT, "article": text, "audio": None, "rounds": 1, "with_hf": False, **settings(model_dirs, new_tokens)}
+    return {"task": TEXT, "article": text, "audio": None, "rounds": 1, "with_hf": False, "same_schedule": True,
+            **settings(model_dirs, new_tokens)}
 
 
 def export_path(shown: dict[str, Any]) -> Path:

@@ -231,3 +231,87 @@ def test_rerun_decodes_the_loaded_trace_again_exactly(tiny_pair):
     assert [s.gamma for s in again.steps] == [s.gamma for s in original.steps]
     nothing = list(handlers.rerun(server, {"trace": None}, caller))
     assert "Load a trace first" in nothing[-1]["status"]
+
+
+PLOTS = {f"{name}_plot" for name in handlers.PLOTS}
+
+
+def test_no_figure_is_drawn_until_the_run_and_its_reference_are_timed(tiny_pair):
+    """While the run decodes and while target-only is timed the page sends text only; the figures come in the
+    last update, with the measured speedup, which says how it was measured."""
+    caller, _ = _caller()
+    server = _server(tiny_pair)
+    updates = list(handlers.run(server, _values(max_new_tokens=24, measure=True, gamma_policy="constant"), caller))
+    assert not any(PLOTS & set(u) for u in updates[:-1])
+    assert any("Timing target-only" in u.get("status", "") for u in updates[:-1])
+    final = updates[-1]
+    assert PLOTS <= set(final) and "speedup measured" in final["status"]
+    reference = server.traces.get(final["trace"]).meta["target_only"]
+    assert reference["other_sessions_running"] is False  # nothing else ran on this server
+    assert "one round each" in final["summary"] and "nothing drawn during either" in final["summary"]
+
+
+def test_a_timing_knows_when_another_sessions_work_overlapped_it():
+    activity = sessions.Activity()
+    with activity.running("a") as first:
+        with activity.running("a") as same_session:  # a session's own outer work is no other load
+            pass
+        assert not activity.overlapped(same_session)
+        with activity.running("b") as other:
+            pass
+        assert activity.overlapped(first) and activity.overlapped(other)
+    with activity.running("a") as alone:
+        pass
+    assert not activity.overlapped(alone)
+
+
+def test_an_overlapped_measurement_is_marked_as_such(tiny_pair):
+    caller, _ = _caller("s1")
+    server = _server(tiny_pair)
+    with server.activity.running("s2"):  # another session's run going on the whole time
+        updates = list(handlers.run(server, _values(max_new_tokens=8, measure=True), caller))
+    final = updates[-1]
+    assert server.traces.get(final["trace"]).meta["target_only"]["other_sessions_running"] is True
+    assert "another session was working on this server" in final["summary"]
+
+
+def test_compare_holds_one_gamma_schedule_for_every_mode_unless_told_otherwise(tiny_pair):
+    server = _server(tiny_pair)
+    values = _values(rounds=1, with_hf=False, max_new_tokens=12, gamma_policy="cost")
+    final = list(handlers.compare(server, values, _caller()[0]))[-1]
+    assert "every mode on one γ schedule" in final["compare_note"]
+    traces = {name: server.traces.get(t) for name, t in final["compare_state"].items()}
+    schedules = {name: [s.gamma for s in trace.steps] for name, trace in traces.items() if name != "target-only"}
+    assert all(trace.config["gamma_policy"] == "replay" for name, trace in traces.items() if name != "target-only")
+    shortest = min(len(g) for g in schedules.values())
+    assert len({tuple(g[:shortest]) for g in schedules.values()}) == 1  # the same γ at every shared iteration
+    own = list(handlers.compare(server, {**values, "same_schedule": False}, _caller()[0]))[-1]
+    assert "each mode chose its own γ" in own["compare_note"]
+
+
+def test_a_run_waiting_on_another_sessions_load_shows_that_loads_progress(tiny_pair):
+    import threading
+    import time
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_loader(draft, target, progress):
+        progress("packing the blocks", 0.5)
+        started.set()
+        release.wait(5)
+        return tiny_pair
+
+    models = sessions.ModelCache(loader=slow_loader)
+    models.WAIT_POLL_S = 0.02
+    first = threading.Thread(target=models.text, args=("default", "default", lambda m, f: None))
+    first.start()
+    started.wait(5)
+    seen = []
+    waiter = threading.Thread(target=lambda: seen.append(models.text("default", "default",
+                                                                      lambda m, f: seen.append((m, f)))))
+    waiter.start()
+    time.sleep(0.2)
+    release.set()
+    first.join(5)
+    waiter.join(5)
+    assert ("packing the blocks", 0.5) in seen and seen[-1] is tiny_pair

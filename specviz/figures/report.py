@@ -71,12 +71,15 @@ def _speedup_line(trace: Trace) -> str:
                    "different output (sampling: both follow the target's distribution, from different draws)"
                    if trace.temperature else "different output")
     when = html.escape(str(ref.get("measured_at", "")))[:40]
+    how = (f"target-only reused from a run at {when}" if ref.get("reused") else
+           f"one round each, at {when}, back to back, nothing drawn during either")
+    load = (" · **measured while another session was working on this server: both runs shared the cores with it, "
+            "so the figure may be off**" if ref.get("other_sessions_running") is True else "")
     return (f"**Measured: {measured.decode:.2f}× target-only's decoding speed ({verdict})**, "
             f"{measured.end_to_end:.2f}× end to end (prefill included; target-only's counted as this run's "
             f"without the draft's) · target-only decoded "
             f"{number(ref, 'decode_tokens_per_s'):.2f} tokens/s on the same input and settings "
-            f"({'reused from a run at ' if ref.get('reused') else 'run at '}{when}; {output_note}) · one run each: "
-            f"Compare repeats runs and shows their spread")
+            f"({how}; {output_note}){load} · Compare repeats runs and shows their spread")
 
 
 def prediction_markdown(trace: Trace) -> str:
@@ -129,8 +132,12 @@ def glance_html(trace: Trace) -> str:
     if measured is not None:
         verdict = "faster" if measured.decode > 1.02 else "slower" if measured.decode < 0.98 else "no faster"
         tone = "sv-good" if measured.decode > 1.02 else "sv-bad" if measured.decode < 0.98 else ""
+        ref = trace.target_only
+        basis = "target-only reused" if ref.get("reused") else "1 round each"
+        if ref.get("other_sessions_running") is True:
+            basis += ", under another session's load"
         cards.append(_card("measured speedup (decoding)", f"{measured.decode:.2f}×",
-                           f"{verdict} than target-only · {measured.end_to_end:.2f}× with prefill", tone))
+                           f"{verdict} than target-only · {measured.end_to_end:.2f}× with prefill · {basis}", tone))
     elif trace.mode != "target-only" and (p := predict(trace)) is not None:
         cards.append(_card("predicted speedup (not measured)", f"{p.speedup:.2f}×", "from this run's measured costs"))
     ref = trace.target_only
@@ -273,5 +280,7 @@ def compare_note(rounds: int, noise: float, decoding: str) -> str:
                   f"beside it; tokens/s varied by up to {100 * noise:.0f}% between rounds")
         if noise > 0.15:
             spread += " (**noisy**: differences smaller than that are not measured)"
-    return (f"Decoding: {html.escape(decoding)}. {spread}. Verification is a small share of each iteration on a CPU: "
-            f"its time cannot explain large tokens/s gaps.")
+    return (f"Decoding: {html.escape(decoding)}. {spread}. Columns: *decoding ×* and *end to end ×* are speedups over "
+            f"target-only in the same round (without and with prefill), *tokens/s* counts prefill, *verify µs* is the "
+            f"median verification call. Verification is a small share of each iteration on a CPU: its time cannot "
+            f"explain large tokens/s gaps.")

@@ -28,14 +28,14 @@ from specviz import native, openmp
 from specviz.figures import report
 from specviz.speech.audio import load_audio
 from specviz.runs.compare import Row, compare, hf_assisted_runs, noise, source_runner
-from specviz.config import MODES, SpecConfig
+from specviz.config import MODES, REPLAY, SpecConfig
 from specviz.decoding.source import Source
 from specviz.figures.plots import (acceptance_figure, batch_figure, gamma_figure, theory_figure, timing_figure, verify_figure)
 from specviz.models.loading import Progress
 from specviz.text.prompts import InputError, check_article_size
 from specviz.decoding.records import Iteration, Prefilling
-from specviz.runs.replay import Schedule, replaying
-from specviz.runs.decode import builder_for, records
+from specviz.runs.replay import Schedule, replaying, schedule
+from specviz.runs.decode import builder_for, records, run
 from specviz.page.sessions import ModelCache, StopFlag
 from specviz.runs.settings import TEXT, Settings, declaration
 from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE, task_of
@@ -57,23 +57,22 @@ class _Failure:
 
 
 class Frame(NamedTuple):
-    """One update of a streamed run: the trace so far; whether it is finished; whether to redraw the plots
-    (the tokens, output and summary are redrawn at every frame: a few milliseconds)."""
+    """One update of a streamed run: the trace so far and whether it is finished. The page draws the tokens,
+    output and summary of every frame (a few milliseconds) and the figures only once the run, and the target-only
+    run it is measured against, are over: a browser drawing six figures on the cores that decode had slowed
+    whichever run it overlapped by up to a third."""
 
     trace: Trace
     done: bool
-    plots: bool
     reading: Prefilling | None = None  # during the prefill: how far a model has read the input
 
 
-# Decoding pauses while the page draws: the worker holds the engine at its last record until the page is done
-# with it (below), so a redraw never shares the cores with decoding (on two cores it had slowed the speculative
-# run's decoding by ~20% and not the reference's, which draws less), and the engine's clock stands still
-# meanwhile (decoding.clock). What drawing adds is wall time: after a frame with plots that took t seconds
-# (~0.17 s) the next plots wait PLOT_WAIT t; after a text frame the next waits TEXT_WAIT t; text frames are at
-# least MIN_TEXT_GAP_S apart: about 5% of a run goes into drawing. The worker waits at most HANDOFF_S for a
+# Decoding pauses while the page builds a frame: the worker holds the engine at its last record until the page is
+# done with it (below), so building a frame never shares the cores with decoding, and the engine's clock stands
+# still meanwhile (decoding.clock). Frames are at least MIN_TEXT_GAP_S apart, and after a frame that took t seconds
+# the next waits TEXT_WAIT t: a few percent of a run goes into them. The worker waits at most HANDOFF_S for a
 # record (a stalled stream slows the run, it cannot hold it), and ends within STOP_POLL_S of a stop.
-PLOT_WAIT, TEXT_WAIT, MIN_TEXT_GAP_S, HANDOFF_S, STOP_POLL_S = 19, 19, 0.4, 5.0, 0.05
+TEXT_WAIT, MIN_TEXT_GAP_S, HANDOFF_S, STOP_POLL_S = 19, 0.4, 5.0, 0.05
 
 
 def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag,
@@ -118,7 +117,7 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
     ended = False
-    next_text = next_plots = 0.0
+    next_frame = 0.0
     try:
         while (got := updates.get()) is not None:
             if isinstance(got, _Failure):
@@ -127,21 +126,17 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
             builder.add(item)
             now = time.perf_counter()
             if isinstance(item, Prefilling):  # a few per input, each after seconds of reading
-                yield Frame(builder.trace, False, False, item)
-            elif isinstance(item, Iteration) and now >= next_text:
-                plots = now >= next_plots
-                yield Frame(builder.trace, False, plots)
+                yield Frame(builder.trace, False, item)
+            elif isinstance(item, Iteration) and now >= next_frame:
+                yield Frame(builder.trace, False)
                 end = time.perf_counter()
-                if plots:  # its time was mostly the plots': the text's own budget starts from the gap
-                    next_plots, next_text = end + PLOT_WAIT * (end - now), end + MIN_TEXT_GAP_S
-                else:
-                    next_text = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))
+                next_frame = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))
             handled.set()
         ended = True
         worker.join(HANDOFF_S)  # its last item is in: the final frame waits until its thread (and team) is gone
         if stop.is_set():
             builder.trace.meta["stopped"] = True
-        yield Frame(builder.trace, True, True)
+        yield Frame(builder.trace, True)
     finally:
         if not ended:  # closed early (an error, or Gradio dropped the stream): the worker must not go on
             stop.stop("the page stopped reading the run")  # a worker waiting on a record sees it and leaves
@@ -241,7 +236,7 @@ def measure_reference(models: ModelCache, references: References, task: str, sou
     cfg = settings.spec(task)
     source = _source(models, task, source_input, settings, cfg, progress)
     trace = None
-    for trace, done, _, _ in _streamed(source, cfg, {}, stop, target_only=True):
+    for trace, done, _ in _streamed(source, cfg, {}, stop, target_only=True):
         if not done:
             progress(f"target-only reference: {trace.new_tokens} tokens", None)
     if trace is None or trace.stopped:
@@ -250,23 +245,33 @@ def measure_reference(models: ModelCache, references: References, task: str, sou
 
 
 def compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
-                  on_stage: Callable[[str], None], rounds: int = 3, with_hf: bool = False
+                  on_stage: Callable[[str], None], rounds: int = 3, with_hf: bool = False, same_schedule: bool = True
                   ) -> tuple[list[Row], dict[str, Trace], str]:
     """Target-only, baseline, exact and sigmoid (and transformers' assisted generation when asked, text
-    with one sequence) on the same input, batch and seed, in `rounds` interleaved rounds. Returns the rows,
-    the median run of each, and a note on what the numbers mean and how noisy they were."""
+    with one sequence) on the same input, batch and seed, in `rounds` interleaved rounds; with `same_schedule`,
+    every mode on the γ schedule of one untimed exact run (the cost policy reacts to each mode's own costs, so
+    otherwise the modes also differ in γ). Returns the rows, the median run of each, and a note on what the
+    numbers mean and how noisy they were."""
     if not 1 <= rounds <= 10:
         raise InputError(f"a comparison runs 1 to 10 rounds, not {rounds}")
     if with_hf and (task != TEXT or settings.sequences != 1):  # said before any model or input is loaded
         raise InputError("transformers' assisted generation is compared on text with one sequence")
     with openmp.team_released():  # compared in the handler's thread, which outlives the comparison
-        return _compare_modes(models, task, source_input, settings, progress, on_stage, rounds, with_hf)
+        return _compare_modes(models, task, source_input, settings, progress, on_stage, rounds, with_hf, same_schedule)
 
 
 def _compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
-                   on_stage: Callable[[str], None], rounds: int, with_hf: bool) -> tuple[list[Row], dict[str, Trace], str]:
+                   on_stage: Callable[[str], None], rounds: int, with_hf: bool, same_schedule: bool
+                   ) -> tuple[list[Row], dict[str, Trace], str]:
     cfg = settings.spec(task)
     decoded = _source(models, task, source_input, settings, cfg, progress)
+    schedule_note = "each mode chose its own γ (its policy)"
+    if same_schedule and cfg.gamma_policy != REPLAY:
+        on_stage("exact, for the γ schedule every mode replays (not timed)")
+        plan = schedule(run(decoded, dataclasses.replace(cfg, mode="exact")))
+        cfg = replaying(cfg, plan)
+        schedule_note = (f"every mode on one γ schedule (an untimed exact run's, {len(plan)} iterations), so the "
+                         "verifier is the only difference")
     extra = {}
     if with_hf:
         pair = models.text(settings.draft, settings.target, progress)
@@ -278,7 +283,7 @@ def _compare_modes(models: ModelCache, task: str, source_input: str | None, sett
             settings, mode=trace.mode if trace.mode in MODES else settings.mode).to_dict())
         trace.meta.setdefault("input", task_of(task).shown(source_input))
     decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
-    note = report.compare_note(rounds, noise(rows), decoding)
+    note = report.compare_note(rounds, noise(rows), decoding) + f"  \nγ: {schedule_note}."
     drift = report.sigmoid_drift(traces)
     return rows, traces, note + ("  \n" + drift if drift else "")
 

@@ -159,6 +159,9 @@ def _settings(c: dict[str, Any]) -> None:
         c["rounds"] = gr.Slider(1, 5, value=3, step=1, label="Compare: interleaved rounds", elem_id="compare-rounds")
         c["with_hf"] = gr.Checkbox(False, label="Compare: add transformers' assisted generation (text, one sequence)",
                                    elem_id="compare-hf")
+        c["same_schedule"] = gr.Checkbox(True, elem_id="compare-same-schedule",
+                                         label="Compare: every mode on one γ schedule (exact's), so that the verifier "
+                                               "is the only difference")
     with gr.Accordion("More: sigmoid range, lenience, drafts, models, references", open=False,
                       elem_id="more-settings"):
         with gr.Row():
@@ -196,7 +199,8 @@ def _run_results(c: dict[str, Any]) -> None:
 def _compare_results(c: dict[str, Any]) -> None:
     c["compare_note"] = gr.Markdown("Press **Compare all modes**: target-only, baseline, exact and sigmoid on the same "
                                     "input and seed, in interleaved rounds.", elem_id="compare-note")
-    c["compare_table"] = gr.Dataframe(headers=list(COMPARE_COLUMNS), interactive=False, wrap=True,
+    # one line a row (no wrapping: the output text scrolls in its cell), every mode in view at once
+    c["compare_table"] = gr.Dataframe(headers=list(COMPARE_COLUMNS), interactive=False, wrap=False,
                                       elem_id="compare-table")
     c["compare_plot"] = gr.Plot(elem_id="compare-plot", show_label=False)
     with gr.Row():
@@ -275,7 +279,7 @@ class Wiring:
 
 BUTTONS = [*handlers.STARTS, "stop_button"]
 RUN_INPUTS = ["task", "article", "audio", "reference_summary", "reference_transcript", "measure", *settings.page_names()]
-COMPARE_INPUTS = ["task", "article", "audio", "rounds", "with_hf", *settings.page_names()]
+COMPARE_INPUTS = ["task", "article", "audio", "rounds", "with_hf", "same_schedule", *settings.page_names()]
 COMPARE_OUTPUTS = ["status", "results", "compare_table", "compare_note", "compare_plot", "compare_state", "compare_pick"]
 EVAL_INPUTS = ["eval_data", "eval_examples", *settings.page_names()]
 EVAL_SHOWN = ["status", "results", "eval_note", "eval_table1", "eval_table2", "eval_tradeoff_plot", "eval_gamma_plot"]

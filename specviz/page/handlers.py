@@ -46,9 +46,9 @@ SAMPLE_TRANSCRIPT = (ASSETS / "sample_speech.txt").read_text(encoding="utf-8").s
 PLOTS = ("gamma", "acceptance", "timing", "verify", "theory", "batch")
 TEXT_VIEW = ("output", "summary", "warning", "tokens")  # what a trace redraws in milliseconds
 VIEW = (*TEXT_VIEW, *(f"{name}_plot" for name in PLOTS))  # all that a trace redraws
-COMPARE_COLUMNS = ("run", "tokens/s (median)", "speedup end to end (median)", "end to end min–max",
-                   "speedup decoding (median)", "decoding tokens/s", "α", "tokens / iteration", "verify µs (median)",
-                   "= target-only", "output")
+# short headers (the note under the table says what each is): medians over the rounds
+COMPARE_COLUMNS = ("run", "decoding ×", "end to end ×", "end to end range", "tokens/s", "decoding tokens/s", "α",
+                   "tokens/iter", "verify µs", "= target-only", "output")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Server:
     references: page.References
     traces: TraceShelf  # every session's traces; a session's "trace" state holds only its shelf.Ticket
     limits: sessions.VisitorLimits = sessions.VisitorLimits()  # SHARED_LIMITS where strangers share the page
+    activity: sessions.Activity = dataclasses.field(default_factory=sessions.Activity)  # whose work is going on
 
 
 def stamp(message: str) -> str:
@@ -131,54 +132,60 @@ def _source_input(values: Values) -> str | None:
 
 
 def run(server: Server, values: Values, caller: Caller, gamma_schedule: Schedule | None = None) -> Iterator[Updates]:
-    """Decode the input with the settings, streaming the trace; then measure target-only for the speedup
-    (reused when an identical run measured it). Any failure is shown in the status line. With a γ schedule,
-    γ is read from it (rerun) instead of chosen by the policy."""
+    """Decode the input with the settings, streaming its tokens; then time target-only on the same input and
+    settings (reused when an identical run measured it) and only then draw the figures, so that nothing the page
+    draws shares the cores with either timed run. Any failure is shown in the status line. With a γ schedule, γ
+    is read from it (rerun) instead of chosen by the policy."""
     stop = server.stops.start(caller.session)
-    task, progress = values["task"], caller.progress
     try:
-        settings = settings_of(values)
-        server.limits.check_run(settings)
-        source_input = _source_input(values)
-        yield {"status": stamp("Loading models and reading the input…"), "export": gr.DownloadButton(interactive=False),
-               "results": gr.Tabs(selected="run-results")}
-        stream = page.stream_run(server.models, task, source_input, settings, progress, stop, gamma_schedule)
-        yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
-                               "the first iteration)…")}
-        trace, ticket = None, None
-        for trace, done, plots, reading in stream:
-            if reading is not None:
-                message = prefill_progress(reading)
-                progress(message, reading.read / max(reading.total, 1))
-                yield {"status": stamp(message)}
-            elif done:
-                reference = values["reference_" + task_of(task).reference_noun]  # the page's reference boxes
-                page.score(trace, task, reference or "")
-                note = ("Stopped" if trace.stopped else "Done") + \
-                    f": {trace.new_tokens} tokens in {len(trace.steps)} iterations."
-                shown = _exported(server, trace, ticket)
-                ticket = shown["trace"]
-                yield {"status": stamp(note), **shown, "replay": _replay_at_end(trace), **views(trace)}
-            else:
-                # still growing: held at no size until it is done and exported (the shelf counts finished traces)
-                ticket = server.traces.put(trace, 0, ticket)
-                yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens"),
-                       "trace": ticket, "replay": _replay_at_end(trace), **views(trace, plots=plots)}
-        if trace is None or trace.stopped or not values["measure"]:
-            return
-        yield {"status": stamp("Done. Measuring target-only on the same input and settings for the speedup…")}
-        reference = page.measure_reference(server.models, server.references, task, source_input, settings, progress,
-                                           stop, run=trace)
-        if reference is None:
-            yield {"status": stamp("Done (the target-only reference was stopped: speedup not measured).")}
-            return
-        trace.meta["target_only"] = reference
-        yield {"status": stamp(f"Done: {trace.new_tokens} tokens in {len(trace.steps)} iterations; speedup measured."),
-               **_exported(server, trace, ticket), **views(trace)}
+        with server.activity.running(caller.session):
+            yield from _run(server, values, caller, stop, gamma_schedule)
     except Exception as e:  # any failure is shown in the page, which stays usable
         yield {"status": error(e)}
     finally:
         server.stops.end(caller.session, stop)
+
+
+def _run(server: Server, values: Values, caller: Caller, stop: sessions.StopFlag, gamma_schedule: Schedule | None
+         ) -> Iterator[Updates]:
+    task, progress = values["task"], caller.progress
+    settings = settings_of(values)
+    server.limits.check_run(settings)
+    source_input = _source_input(values)
+    yield {"status": stamp("Loading models and reading the input…"), "export": gr.DownloadButton(interactive=False),
+           "results": gr.Tabs(selected="run-results")}
+    stream = page.stream_run(server.models, task, source_input, settings, progress, stop, gamma_schedule)
+    yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
+                           "the first iteration)…")}
+    trace, ticket = None, None
+    with server.activity.running(caller.session) as timed:  # the run and its reference: did another session's overlap?
+        for trace, done, reading in stream:
+            if reading is not None:
+                message = prefill_progress(reading)
+                progress(message, reading.read / max(reading.total, 1))
+                yield {"status": stamp(message)}
+            elif not done:
+                # still growing: held at no size until it is done and exported (the shelf counts finished traces)
+                ticket = server.traces.put(trace, 0, ticket)
+                yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens"),
+                       "trace": ticket, "replay": _replay_at_end(trace), **views(trace, plots=False)}
+        if trace is not None and not trace.stopped and values["measure"]:
+            yield {"status": stamp(f"Decoded {trace.new_tokens} tokens in {len(trace.steps)} iterations. Timing "
+                                   "target-only on the same input and settings; the figures follow (nothing is drawn "
+                                   "while either run is timed)…"), **views(trace, plots=False)}
+            reference = page.measure_reference(server.models, server.references, task, source_input, settings,
+                                               progress, stop, run=trace)
+            if reference is not None:
+                reference["other_sessions_running"] = server.activity.overlapped(timed)
+                trace.meta["target_only"] = reference
+    if trace is None:
+        return
+    page.score(trace, task, values["reference_" + task_of(task).reference_noun] or "")  # the page's reference boxes
+    what = "Stopped" if trace.stopped else "Done"
+    measured = "; speedup measured" if trace.target_only is not None else \
+        "; speedup not measured (the target-only run was stopped)" if values["measure"] and not trace.stopped else ""
+    yield {"status": stamp(f"{what}: {trace.new_tokens} tokens in {len(trace.steps)} iterations{measured}."),
+           **_exported(server, trace, ticket), "replay": _replay_at_end(trace), **views(trace)}
 
 
 def prefill_progress(reading: Prefilling) -> str:
@@ -231,35 +238,47 @@ def compare_table(rows: list[Row]) -> pd.DataFrame:
     """The Compare tab's table: both speedups, named apart (compare.Row)."""
     def cells(r: Row) -> tuple:
         verify_us = None if r.median_verify_ms is None else 1e3 * r.median_verify_ms
-        return (r.name, r.tokens_per_s, r.speedup_end_to_end,
-                f"{r.speedup_end_to_end_min:.2f}–{r.speedup_end_to_end_max:.2f}", r.speedup_decode,
+        return (r.name, r.speedup_decode, r.speedup_end_to_end,
+                f"{r.speedup_end_to_end_min:.2f}–{r.speedup_end_to_end_max:.2f}", r.tokens_per_s,
                 r.decode_tokens_per_s, r.alpha, r.tokens_per_iteration, verify_us, r.equals_target_only, r.output_text)
 
     return pd.DataFrame([cells(r) for r in rows], columns=list(COMPARE_COLUMNS)).round(3)
 
 
 def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
-    """Every mode and target-only on the same input and seed, in interleaved rounds."""
+    """Every mode and target-only on the same input and seed, in interleaved rounds; on one γ schedule unless the
+    page says otherwise ("same_schedule")."""
     try:
-        settings = settings_of(values)
-        rounds = int(values["rounds"])
-        server.limits.check_compare(settings, rounds)
-        yield {"status": stamp("Comparing: loading models…"), "results": gr.Tabs(selected="compare-results")}
-        stages: list[str] = []
-
-        def on_stage(name: str) -> None:
-            stages.append(name)
-            caller.progress(f"running {name} (run {len(stages)})", None)
-
-        rows, traces, note = page.compare_modes(server.models, values["task"], _source_input(values), settings,
-                                                caller.progress, on_stage, rounds=rounds, with_hf=bool(values["with_hf"]))
-        names = list(traces)
-        tickets = {name: server.traces.put(trace, json_size(trace)) for name, trace in traces.items()}
-        yield {"status": stamp(f"Comparison done: {rounds} round(s), same input and seed for every run."),
-               "compare_table": compare_table(rows), "compare_note": note, "compare_plot": compare_figure(rows),
-               "compare_state": tickets, "compare_pick": gr.Dropdown(choices=names, value=names[0] if names else None)}
+        with server.activity.running(caller.session):
+            yield from _compare(server, values, caller)
     except Exception as e:
         yield {"status": error(e)}
+
+
+def _compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    settings = settings_of(values)
+    rounds = int(values["rounds"])
+    server.limits.check_compare(settings, rounds)
+    yield {"status": stamp("Comparing: loading models…"), "results": gr.Tabs(selected="compare-results")}
+    stages: list[str] = []
+
+    def on_stage(name: str) -> None:
+        stages.append(name)
+        caller.progress(f"running {name} (run {len(stages)})", None)
+
+    with server.activity.running(caller.session) as timed:
+        rows, traces, note = page.compare_modes(server.models, values["task"], _source_input(values), settings,
+                                                caller.progress, on_stage, rounds=rounds,
+                                                with_hf=bool(values["with_hf"]),
+                                                same_schedule=bool(values.get("same_schedule", True)))
+    if server.activity.overlapped(timed):
+        note += ("  \n**Measured while another session was working on this server**: its runs shared the cores "
+                 "with these, so the figures may be off.")
+    names = list(traces)
+    tickets = {name: server.traces.put(trace, json_size(trace)) for name, trace in traces.items()}
+    yield {"status": stamp(f"Comparison done: {rounds} round(s), same input and seed for every run."),
+           "compare_table": compare_table(rows), "compare_note": note, "compare_plot": compare_figure(rows),
+           "compare_state": tickets, "compare_pick": gr.Dropdown(choices=names, value=names[0] if names else None)}
 
 
 def opened(server: Server, trace: Trace, how: str) -> Updates:

@@ -4,9 +4,10 @@ hub ids and local paths checked against what the server accepts) and each sessio
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from specviz.models.hub import HUB_ID
 from specviz import openmp
@@ -154,6 +155,41 @@ class ModelCache:
             with self._table_lock:
                 self._latest.pop(key, None)
             key_lock.release()
+
+
+class Activity:
+    """Which sessions' work (runs, comparisons, evaluations) is going on this server, so that a timing knows
+    whether another session's decoding or drawing shared the cores with it. The lock guards the table; each
+    entry is a mutable record that only this class writes."""
+
+    @dataclass(eq=False)  # entries are told apart by identity (one session may hold two)
+    class Entry:
+        owner: str  # the browser session
+        overlapped: bool = False  # another session's work ran at some moment of this one's
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: list[Activity.Entry] = []
+
+    @contextmanager
+    def running(self, owner: str) -> Iterator["Activity.Entry"]:
+        """Mark `owner`'s work as going on while the block runs; the entry says whether another session's was too."""
+        entry = Activity.Entry(owner)
+        with self._lock:
+            others = [e for e in self._active if e.owner != owner]
+            for other in others:
+                other.overlapped = True
+            entry.overlapped = bool(others)
+            self._active.append(entry)
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                self._active.remove(entry)
+
+    def overlapped(self, entry: "Activity.Entry") -> bool:
+        with self._lock:
+            return entry.overlapped
 
 
 class StopFlag:

@@ -243,12 +243,12 @@ def test_no_figure_is_drawn_until_the_run_and_its_reference_are_timed(tiny_pair)
     server = _server(tiny_pair)
     updates = list(handlers.run(server, _values(max_new_tokens=24, measure=True, gamma_policy="constant"), caller))
     assert not any(PLOTS & set(u) for u in updates[:-1])
-    assert any("Timing target-only" in u.get("status", "") for u in updates[:-1])
+    assert any("target-only decodes in turns with it" in u.get("status", "") for u in updates[:-1])
     final = updates[-1]
     assert PLOTS <= set(final) and "speedup measured" in final["status"]
     reference = server.traces.get(final["trace"]).meta["target_only"]
     assert reference["other_sessions_running"] is False  # nothing else ran on this server
-    assert "one round each" in final["summary"] and "nothing drawn during either" in final["summary"]
+    assert "in turns with this run" in final["summary"] and "nothing drawn during either" in final["summary"]
 
 
 def test_a_timing_knows_when_another_sessions_work_overlapped_it():

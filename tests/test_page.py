@@ -37,7 +37,7 @@ def test_stop_ends_the_run_after_the_current_iteration(tiny_pair, prompt_ids):
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=200, gamma_policy="constant", gamma_init=2)
     stop = sessions.StopFlag()
     seen = []
-    for trace, done, reading in page._streamed(source, cfg, {}, stop):
+    for trace, done, reading, _ in page._streamed(source, cfg, {}, stop):
         if reading is None and not done:  # the first frame of the decoding, drawn at its first iteration
             seen.append(len(trace.steps))
             stop.stop("test")
@@ -108,22 +108,49 @@ def test_decoding_waits_while_the_page_holds_a_frame_and_its_clock_stands_still(
 
 
 def test_end_to_end_against_a_cached_reference_counts_the_runs_own_reading_of_the_input(tiny_pair, prompt_ids):
-    """Target-only measured after the run finds the input in the prompt cache; its end to end counts the
-    run's prefill without the draft's reading (the same target reading the same input), not its own ~0 s."""
+    """Target-only timed with the run finds the input in the prompt cache; its end to end counts the run's prefill
+    without the draft's reading (the same target reading the same input), not its own ~0 s."""
     models, references = _Models(tiny_pair), page.References()
     settings = Settings(max_new_tokens=8, target="tiny")
     article = "w1 w2 w3 w4 w5 w6 w7 w8"
-    source = page._source(models, TEXT, article, settings, settings.spec(TEXT), lambda m, f: None)
-    spec = run(source, settings.spec(TEXT))
+    *_, last = page.stream_run(models, TEXT, article, settings, lambda m, f: None, sessions.StopFlag(),
+                               with_reference=True)
+    spec, reference = last.trace, last.reference
     by_model = spec.meta["prefill_s_by_model"]
     assert set(by_model) == {"target", "draft"} and sum(by_model.values()) <= spec.prefill_s + 1e-9
-    ref = page.measure_reference(models, references, TEXT, article, settings, lambda m, f: None,
-                                 sessions.StopFlag(), run=spec)
+    assert reference.mode == "target-only" and reference.new_tokens == 8
+    ref = page.new_reference(references, TEXT, article, settings, spec, reference)
     assert ref["prefill_timed_in_the_run"] and ref["prefill_s"] == pytest.approx(spec.prefill_s - by_model["draft"])
     decode_s = ref["new_tokens"] / ref["decode_tokens_per_s"]
     assert ref["tokens_per_s"] == pytest.approx(ref["new_tokens"] / (ref["prefill_s"] + decode_s))
     spec.meta["target_only"] = ref
     assert "target-only's counted as this run's without the draft's" in report.summary_markdown(spec)
+
+
+def test_the_run_and_its_reference_take_turns_and_keep_their_own_clocks(tiny_pair, prompt_ids, monkeypatch):
+    """With a reference, target-only starts once the run has read its input and the two alternate (several
+    switches over a long run); each trace is what the same settings decode alone, and each clock counts only its
+    own decoding (the sum of both runs' times stays within the wall time)."""
+    monkeypatch.setattr(page, "TURN_S", 0.02)
+    seen = []
+
+    def order(*args, target_only=False, **kwargs):
+        for event in page_records(*args, target_only=target_only, **kwargs):
+            seen.append("reference" if target_only else "shown")
+            yield event
+
+    page_records = page.records
+    monkeypatch.setattr(page, "records", order)
+    source = prompts_source(tiny_pair, [prompt_ids])
+    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=80, gamma_policy="constant", gamma_init=2)
+    started = time.perf_counter()
+    *_, last = page._streamed(source, cfg, {}, sessions.StopFlag(), reference=prompts_source(tiny_pair, [prompt_ids]))
+    wall = time.perf_counter() - started
+    switches = sum(a != b for a, b in zip(seen, seen[1:]))
+    assert seen[0] == "shown" and switches >= 4, (switches, seen[:20])
+    alone = run(source, cfg, target_only=True)
+    assert last.reference.outputs == alone.outputs and last.trace.outputs == run(source, cfg).outputs
+    assert last.trace.total_s + last.reference.total_s < wall
 
 
 def test_a_closed_stream_stops_its_worker(tiny_pair, prompt_ids):
@@ -157,8 +184,11 @@ def test_reference_is_measured_once_and_reused(tiny_pair):
     models, references = _Models(tiny_pair), page.References()
     settings = Settings(max_new_tokens=8, target="tiny")
     article = "w1 w2 w3 w4 w5 w6"
-    first = page.measure_reference(models, references, TEXT, article, settings, lambda m, f: None, sessions.StopFlag())
-    again = page.measure_reference(models, references, TEXT, article, settings, lambda m, f: None, sessions.StopFlag())
+    *_, last = page.stream_run(models, TEXT, article, settings, lambda m, f: None, sessions.StopFlag(),
+                               with_reference=True)
+    assert page.known_reference(references, TEXT, article, settings, last.trace) is None
+    first = page.new_reference(references, TEXT, article, settings, last.trace, last.reference)
+    again = page.known_reference(references, TEXT, article, settings, last.trace)
     assert not first["reused"] and again["reused"] and first["decode_tokens_per_s"] == again["decode_tokens_per_s"]
     assert first["new_tokens"] == 8
     other = page.References.key(TEXT, article, Settings(max_new_tokens=8, target="tiny", seed=1))

@@ -72,7 +72,7 @@ def _speedup_line(trace: Trace) -> str:
                    if trace.temperature else "different output")
     when = html.escape(str(ref.get("measured_at", "")))[:40]
     how = (f"target-only reused from a run at {when}" if ref.get("reused") else
-           f"one round each, at {when}, back to back, nothing drawn during either")
+           f"at {when}, in turns with this run of ~0.5 s each, nothing drawn during either")
     load = (" · **measured while another session was working on this server: both runs shared the cores with it, "
             "so the figure may be off**" if ref.get("other_sessions_running") is True else "")
     return (f"**Measured: {measured.decode:.2f}× target-only's decoding speed ({verdict})**, "
@@ -133,7 +133,7 @@ def glance_html(trace: Trace) -> str:
         verdict = "faster" if measured.decode > 1.02 else "slower" if measured.decode < 0.98 else "no faster"
         tone = "sv-good" if measured.decode > 1.02 else "sv-bad" if measured.decode < 0.98 else ""
         ref = trace.target_only
-        basis = "target-only reused" if ref.get("reused") else "1 round each"
+        basis = "target-only reused" if ref.get("reused") else "timed in turns"
         if ref.get("other_sessions_running") is True:
             basis += ", under another session's load"
         cards.append(_card("measured speedup (decoding)", f"{measured.decode:.2f}×",

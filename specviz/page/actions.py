@@ -65,6 +65,7 @@ class Frame(NamedTuple):
     trace: Trace
     done: bool
     reading: Prefilling | None = None  # during the prefill: how far a model has read the input
+    reference: Trace | None = None  # the target-only run timed alongside (stream_run's `with_reference`), when done
 
 
 # Decoding pauses while the page builds a frame: the worker holds the engine at its last record until the page is
@@ -73,20 +74,30 @@ class Frame(NamedTuple):
 # the next waits TEXT_WAIT t: a few percent of a run goes into them. The worker waits at most HANDOFF_S for a
 # record (a stalled stream slows the run, it cannot hold it), and ends within STOP_POLL_S of a stop.
 TEXT_WAIT, MIN_TEXT_GAP_S, HANDOFF_S, STOP_POLL_S = 19, 0.4, 5.0, 0.05
+# A run and the target-only run it is measured against take turns of about TURN_S seconds of decoding, in one
+# thread: this host's speed drifts by 10-30% within seconds, and the browser draws on the same cores, so turns
+# this short let both meet the same conditions; one thread keeps one OpenMP team (two live teams slow both).
+TURN_S = 0.5
+SHOWN, REFERENCE = "shown", "reference"
 
 
-def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag,
-              target_only: bool = False) -> Iterator[Frame]:
-    """Decode in a worker thread; yield frames as iterations arrive.
+def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag, target_only: bool = False,
+              reference: Source | None = None) -> Iterator[Frame]:
+    """Decode in a worker thread; yield frames as iterations arrive. With `reference`, target-only decodes that
+    source too, in turns with this run once the run has read its input (so the reference finds the input in the
+    prompt cache); the last frame carries its trace.
 
     The worker only produces immutable records and puts them on a queue, one at a time: it waits until this
-    generator, in the page's thread, is done with each (drawn it or not), so the two never run at once. The
-    generator owns the TraceBuilder, so the trace it yields is never touched by another thread. When `stop`
-    is set (or this generator is closed) the worker ends after the iteration it is in and releases the
-    models' caches; the trace then ends there, marked stopped.
+    generator, in the page's thread, is done with each (drawn it or not), so the two never run at once; a run
+    waiting for its turn is suspended at a record, its clock stopped. The generator owns the TraceBuilders, so
+    the traces it yields are never touched by another thread. When `stop` is set (or this generator is closed)
+    the worker ends after the iteration it is in and releases the models' caches; the traces end there, marked
+    stopped.
     """
-    updates: queue.Queue = queue.Queue()  # (record, its own "handled" event), then a _Failure or None
-    builder = builder_for(source, cfg, target_only=target_only, meta=meta)
+    updates: queue.Queue = queue.Queue()  # (which run, record, its own "handled" event), then a _Failure or None
+    builders = {SHOWN: builder_for(source, cfg, target_only=target_only, meta=meta)}
+    if reference is not None:
+        builders[REFERENCE] = builder_for(reference, cfg, target_only=True)
 
     def handed_over(handled: threading.Event) -> None:
         """Wait until the page is done with the record (the engine stays there, its clock stopped), a stop,
@@ -96,22 +107,41 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
             pass
 
     def work() -> None:
-        events = records(source, cfg, target_only=target_only)
+        runs = {SHOWN: records(source, cfg, target_only=target_only)}
+        started = {SHOWN}
+        turn, turn_ends = SHOWN, float("inf")
         iterations = 0
         try:
-            for event in events:
+            while runs:
                 if stop.is_set():
                     print(f"specviz: run stopped after {iterations} iterations ({stop.reason})", file=sys.stderr,
                           flush=True)
                     break
-                iterations += isinstance(event, Iteration)
+                event = next(runs[turn], None)
+                if event is None:  # this run is over: the other goes on alone
+                    del runs[turn]
+                    if reference is not None and REFERENCE not in started:  # a run with no iteration at all
+                        runs[REFERENCE] = records(reference, cfg, target_only=True)
+                        started.add(REFERENCE)
+                    turn, turn_ends = next(iter(runs), turn), float("inf")
+                    continue
+                if turn == SHOWN:
+                    iterations += isinstance(event, Iteration)
                 handled = threading.Event()
-                updates.put((event, handled))
+                updates.put((turn, event, handled))
                 handed_over(handled)
+                if reference is not None and REFERENCE not in started and isinstance(event, Iteration):
+                    runs[REFERENCE] = records(reference, cfg, target_only=True)  # the input is read: its turns begin
+                    started.add(REFERENCE)
+                    turn_ends = time.perf_counter() + TURN_S
+                if len(runs) == 2 and time.perf_counter() >= turn_ends:
+                    turn = REFERENCE if turn == SHOWN else SHOWN
+                    turn_ends = time.perf_counter() + TURN_S
         except BaseException as e:  # re-raised in the page's thread, where the page reports it
             updates.put(_Failure(e))
         finally:
-            events.close()  # drops the KV caches now, not when the generator is collected
+            for events in runs.values():
+                events.close()  # drops the KV caches now, not when the generator is collected
             updates.put(None)  # the thread ends here, and its OpenMP team with it
 
     worker = threading.Thread(target=work, daemon=True)
@@ -122,21 +152,23 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
         while (got := updates.get()) is not None:
             if isinstance(got, _Failure):
                 raise got.error
-            item, handled = got
-            builder.add(item)
+            which, item, handled = got
+            builders[which].add(item)
             now = time.perf_counter()
-            if isinstance(item, Prefilling):  # a few per input, each after seconds of reading
-                yield Frame(builder.trace, False, item)
+            if which == SHOWN and isinstance(item, Prefilling):  # a few per input, each after seconds of reading
+                yield Frame(builders[SHOWN].trace, False, item)
             elif isinstance(item, Iteration) and now >= next_frame:
-                yield Frame(builder.trace, False)
+                yield Frame(builders[SHOWN].trace, False)
                 end = time.perf_counter()
                 next_frame = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))
             handled.set()
         ended = True
         worker.join(HANDOFF_S)  # its last item is in: the final frame waits until its thread (and team) is gone
         if stop.is_set():
-            builder.trace.meta["stopped"] = True
-        yield Frame(builder.trace, True)
+            for builder in builders.values():
+                builder.trace.meta["stopped"] = True
+        done = builders[REFERENCE].trace if REFERENCE in builders else None
+        yield Frame(builders[SHOWN].trace, True, reference=done)
     finally:
         if not ended:  # closed early (an error, or Gradio dropped the stream): the worker must not go on
             stop.stop("the page stopped reading the run")  # a worker waiting on a record sees it and leaves
@@ -175,16 +207,19 @@ def _source(models: ModelCache, task: str, source_input: str | None, settings: S
 
 
 def stream_run(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
-               stop: StopFlag, gamma_schedule: Schedule | None = None) -> Iterator[Frame]:
+               stop: StopFlag, gamma_schedule: Schedule | None = None, with_reference: bool = False
+               ) -> Iterator[Frame]:
     """One run of the page: text (source_input is the article) or speech (a path to the audio); on a trace's
-    γ schedule when one is given (specviz.runs.replay)."""
+    γ schedule when one is given (specviz.runs.replay); `with_reference`: target-only on the same input and
+    settings timed in turns with it (the last frame's `reference`)."""
     cfg = settings.spec(task)
     if gamma_schedule:
         cfg = replaying(cfg, gamma_schedule)
     source = _source(models, task, source_input, settings, cfg, progress)
+    reference = _source(models, task, source_input, settings, settings.spec(task), progress) if with_reference else None
     shown = task_of(task).shown(source_input)
     meta = {"input": shown, "page_settings": settings.to_dict()}
-    return _streamed(source, cfg, meta, stop)
+    return _streamed(source, cfg, meta, stop, reference=reference)
 
 
 class References:
@@ -223,25 +258,21 @@ class References:
         return at
 
 
-def measure_reference(models: ModelCache, references: References, task: str, source_input: str | None,
-                      settings: Settings, progress: Progress, stop: StopFlag, run: Trace | None = None
-                      ) -> dict[str, Any] | None:
-    """Target-only on the same input and settings (or an identical earlier one's): what `run` keeps about
-    it as meta["target_only"], its end to end counting the run's own prefill without the draft's reading
-    (report.reference_meta). None when stopped."""
-    prefill_s = None if run is None else report.prefill_without_draft(run)
-    key = References.key(task, source_input, settings)
-    if (known := references.get(key)) is not None:
-        return report.reference_meta(known[0], reused=True, measured_at=known[1], prefill_s=prefill_s)
-    cfg = settings.spec(task)
-    source = _source(models, task, source_input, settings, cfg, progress)
-    trace = None
-    for trace, done, _ in _streamed(source, cfg, {}, stop, target_only=True):
-        if not done:
-            progress(f"target-only reference: {trace.new_tokens} tokens", None)
-    if trace is None or trace.stopped:
+def known_reference(references: References, task: str, source_input: str | None, settings: Settings, run: Trace
+                    ) -> dict[str, Any] | None:
+    """What `run` keeps (meta["target_only"]) about an identical earlier run's target-only reference, or None."""
+    known = references.get(References.key(task, source_input, settings))
+    if known is None:
         return None
-    return report.reference_meta(trace, reused=False, measured_at=references.put(key, trace), prefill_s=prefill_s)
+    return report.reference_meta(known[0], reused=True, measured_at=known[1], prefill_s=report.prefill_without_draft(run))
+
+
+def new_reference(references: References, task: str, source_input: str | None, settings: Settings, run: Trace,
+                  reference: Trace) -> dict[str, Any]:
+    """What `run` keeps about the target-only run timed with it (kept for identical later runs), its end to end
+    counting the run's own prefill without the draft's reading (report.reference_meta)."""
+    at = references.put(References.key(task, source_input, settings), reference)
+    return report.reference_meta(reference, reused=False, measured_at=at, prefill_s=report.prefill_without_draft(run))
 
 
 def compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,

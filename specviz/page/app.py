@@ -319,8 +319,10 @@ def build(models: sessions.ModelCache, limits: sessions.VisitorLimits = sessions
                  [*EVAL_SHOWN, "eval_download"]),
                 (c["rerun_button"], "rerun", partial(handlers.rerun, server), ["trace"], SHOWN)):
             busy = wire.connect(button.click, handlers.busy, [], ["status", *BUTTONS], queue=False, **PRIVATE)
+            # progress on the status line only: Gradio's overlay (with its running timer) on every output kept the
+            # browser redrawing ~20 components on the cores that decode, throughout a timed run
             going = wire.connect(busy.then, handler, inputs, outputs, caller=True, concurrency_limit=1,
-                                 api_name=name, api_description=API_DESCRIPTIONS[name])
+                                 show_progress_on=[c["status"]], api_name=name, api_description=API_DESCRIPTIONS[name])
             wire.connect(going.then, handlers.idle, [], BUTTONS, queue=False, **PRIVATE)
         wire.connect(c["stop_button"].click, partial(handlers.stop, server), [], ["status"], caller=True, queue=False,
                      api_name="stop", api_description=API_DESCRIPTIONS["stop"])

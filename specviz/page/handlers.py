@@ -154,12 +154,16 @@ def _run(server: Server, values: Values, caller: Caller, stop: sessions.StopFlag
     source_input = _source_input(values)
     yield {"status": stamp("Loading models and reading the input…"), "export": gr.DownloadButton(interactive=False),
            "results": gr.Tabs(selected="run-results")}
-    stream = page.stream_run(server.models, task, source_input, settings, progress, stop, gamma_schedule)
+    measure = bool(values["measure"])
+    timed_alongside = measure and server.references.get(page.References.key(task, source_input, settings)) is None
+    stream = page.stream_run(server.models, task, source_input, settings, progress, stop, gamma_schedule,
+                             with_reference=timed_alongside)
     yield {"status": stamp("Models ready. Prefill: the models read the whole input once (the longest wait before "
                            "the first iteration)…")}
-    trace, ticket = None, None
+    trace, ticket, reference = None, None, None
+    alongside = " (target-only decodes in turns with it, to measure the speedup)" if timed_alongside else ""
     with server.activity.running(caller.session) as timed:  # the run and its reference: did another session's overlap?
-        for trace, done, reading in stream:
+        for trace, done, reading, reference in stream:
             if reading is not None:
                 message = prefill_progress(reading)
                 progress(message, reading.read / max(reading.total, 1))
@@ -167,23 +171,20 @@ def _run(server: Server, values: Values, caller: Caller, stop: sessions.StopFlag
             elif not done:
                 # still growing: held at no size until it is done and exported (the shelf counts finished traces)
                 ticket = server.traces.put(trace, 0, ticket)
-                yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens"),
+                yield {"status": stamp(f"Decoding… iteration {len(trace.steps)}, {trace.new_tokens} tokens{alongside}"),
                        "trace": ticket, "replay": _replay_at_end(trace), **views(trace, plots=False)}
-        if trace is not None and not trace.stopped and values["measure"]:
-            yield {"status": stamp(f"Decoded {trace.new_tokens} tokens in {len(trace.steps)} iterations. Timing "
-                                   "target-only on the same input and settings; the figures follow (nothing is drawn "
-                                   "while either run is timed)…"), **views(trace, plots=False)}
-            reference = page.measure_reference(server.models, server.references, task, source_input, settings,
-                                               progress, stop, run=trace)
-            if reference is not None:
-                reference["other_sessions_running"] = server.activity.overlapped(timed)
-                trace.meta["target_only"] = reference
     if trace is None:
         return
+    if reference is not None and not reference.stopped:
+        trace.meta["target_only"] = {**page.new_reference(server.references, task, source_input, settings, trace,
+                                                          reference),
+                                     "other_sessions_running": server.activity.overlapped(timed)}
+    elif measure and not trace.stopped and (known := page.known_reference(server.references, task, source_input,
+                                                                           settings, trace)) is not None:
+        trace.meta["target_only"] = known
     page.score(trace, task, values["reference_" + task_of(task).reference_noun] or "")  # the page's reference boxes
     what = "Stopped" if trace.stopped else "Done"
-    measured = "; speedup measured" if trace.target_only is not None else \
-        "; speedup not measured (the target-only run was stopped)" if values["measure"] and not trace.stopped else ""
+    measured = "; speedup measured" if trace.target_only is not None else ""
     yield {"status": stamp(f"{what}: {trace.new_tokens} tokens in {len(trace.steps)} iterations{measured}."),
            **_exported(server, trace, ticket), "replay": _replay_at_end(trace), **views(trace)}
 

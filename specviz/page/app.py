@@ -16,7 +16,7 @@ import gradio as gr
 
 from specviz.page import handlers, actions as page, sessions, shelf
 from specviz.runs import settings
-from specviz.page.handlers import COMPARE_COLUMNS, VIEW, Server
+from specviz.page.handlers import COMPARE_COLUMNS, COMPARE_WIDTHS, VIEW, Server
 from specviz.models.loading import cache_dir
 from specviz.text.prompts import ASSETS, sample_article
 from specviz.figures.token_view import TOKEN_CSS
@@ -201,7 +201,7 @@ def _compare_results(c: dict[str, Any]) -> None:
                                     "input and seed, in interleaved rounds.", elem_id="compare-note")
     # one line a row (no wrapping: the output text scrolls in its cell), every mode in view at once
     c["compare_table"] = gr.Dataframe(headers=list(COMPARE_COLUMNS), interactive=False, wrap=False,
-                                      elem_id="compare-table")
+                                      column_widths=[*COMPARE_WIDTHS], elem_id="compare-table")
     c["compare_plot"] = gr.Plot(elem_id="compare-plot", show_label=False)
     with gr.Row():
         c["compare_pick"] = gr.Dropdown([], label="A run of this comparison", elem_id="compare-trace-select")

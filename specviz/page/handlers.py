@@ -49,6 +49,7 @@ VIEW = (*TEXT_VIEW, *(f"{name}_plot" for name in PLOTS))  # all that a trace red
 # short headers (the note under the table says what each is): medians over the rounds
 COMPARE_COLUMNS = ("run", "decoding ×", "end to end ×", "end to end range", "tokens/s", "decoding tokens/s", "α",
                    "tokens/iter", "verify µs", "= target-only", "output")
+COMPARE_WIDTHS = ("100px", "80px", "80px", "90px", "70px", "80px", "50px", "70px", "70px", "80px", "400px")
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,7 @@ def compare_table(rows: list[Row]) -> pd.DataFrame:
                 f"{r.speedup_end_to_end_min:.2f}–{r.speedup_end_to_end_max:.2f}", r.tokens_per_s,
                 r.decode_tokens_per_s, r.alpha, r.tokens_per_iteration, verify_us, r.equals_target_only, r.output_text)
 
-    return pd.DataFrame([cells(r) for r in rows], columns=list(COMPARE_COLUMNS)).round(3)
+    return pd.DataFrame([cells(r) for r in rows], columns=list(COMPARE_COLUMNS)).round(2)
 
 
 def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:

@@ -119,6 +119,7 @@ def test_end_to_end_against_a_cached_reference_counts_the_runs_own_reading_of_th
     by_model = spec.meta["prefill_s_by_model"]
     assert set(by_model) == {"target", "draft"} and sum(by_model.values()) <= spec.prefill_s + 1e-9
     assert reference.mode == "target-only" and reference.new_tokens == 8
+    assert reference.meta["prompts_reused"] == 1  # it found the input the run had read in the prompt cache
     ref = page.new_reference(references, TEXT, article, settings, spec, reference)
     assert ref["prefill_timed_in_the_run"] and ref["prefill_s"] == pytest.approx(spec.prefill_s - by_model["draft"])
     decode_s = ref["new_tokens"] / ref["decode_tokens_per_s"]

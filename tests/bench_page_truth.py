@@ -58,20 +58,13 @@ def _summary_numbers(pg) -> dict:
 
 
 def _compare_table(pg) -> dict[str, dict[str, str]]:
-    """The table as the page shows it: its text, one row a line (Gradio's virtualised grid), cells by header."""
+    """The table as the page shows it, cells by header (Gradio's grid: rows and cells by their roles)."""
     from specviz.page.handlers import COMPARE_COLUMNS
 
-    lines = [line for line in pg.inner_text("#compare-table .table-wrap").splitlines() if line.strip()]
-    cells = [c.strip() for line in lines for c in line.split("\t") if c.strip() and c.strip() != "⋮"]
-    names = ("target-only", "baseline", "exact", "sigmoid")
-    rows, i = {}, 0
-    while i < len(cells):
-        if cells[i] in names:
-            rows[cells[i]] = dict(zip(COMPARE_COLUMNS[1:], cells[i + 1:i + len(COMPARE_COLUMNS)]))
-            i += len(COMPARE_COLUMNS)
-        else:
-            i += 1
-    return rows
+    rows = pg.evaluate("""() => [...document.querySelectorAll('#compare-table tr, #compare-table [role=row]')]
+        .map(row => [...row.querySelectorAll('td, [role=gridcell]')].map(cell => cell.innerText.trim()))
+        .filter(cells => cells.length > 0)""")
+    return {cells[0]: dict(zip(COMPARE_COLUMNS[1:], cells[1:])) for cells in rows}
 
 
 def page_side(documents: list[Path], compare_document: Path, env: dict) -> dict:

@@ -71,9 +71,10 @@ class Frame(NamedTuple):
 # Decoding pauses while the page builds a frame: the worker holds the engine at its last record until the page is
 # done with it (below), so building a frame never shares the cores with decoding, and the engine's clock stands
 # still meanwhile (decoding.clock). Frames are at least MIN_TEXT_GAP_S apart, and after a frame that took t seconds
-# the next waits TEXT_WAIT t: a few percent of a run goes into them. The worker waits at most HANDOFF_S for a
+# the next waits TEXT_WAIT t: a few percent of a run goes into them. A browser on the same cores redraws the token
+# view at each frame: frames 0.4 s apart slowed both timed runs by 15-25% against none (docs/benchmarks.md). The worker waits at most HANDOFF_S for a
 # record (a stalled stream slows the run, it cannot hold it), and ends within STOP_POLL_S of a stop.
-TEXT_WAIT, MIN_TEXT_GAP_S, HANDOFF_S, STOP_POLL_S = 19, 0.4, 5.0, 0.05
+TEXT_WAIT, MIN_TEXT_GAP_S, HANDOFF_S, STOP_POLL_S = 19, 0.8, 5.0, 0.05
 # A run and the target-only run it is measured against take turns of about TURN_S seconds of decoding, in one
 # thread: this host's speed drifts by 10-30% within seconds, and the browser draws on the same cores, so turns
 # this short let both meet the same conditions; one thread keeps one OpenMP team (two live teams slow both).
@@ -157,7 +158,7 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
             now = time.perf_counter()
             if which == SHOWN and isinstance(item, Prefilling):  # a few per input, each after seconds of reading
                 yield Frame(builders[SHOWN].trace, False, item)
-            elif isinstance(item, Iteration) and now >= next_frame:
+            elif which == SHOWN and isinstance(item, Iteration) and now >= next_frame:
                 yield Frame(builders[SHOWN].trace, False)
                 end = time.perf_counter()
                 next_frame = end + max(MIN_TEXT_GAP_S, TEXT_WAIT * (end - now))

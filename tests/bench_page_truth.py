@@ -67,7 +67,7 @@ def _compare_table(pg) -> dict[str, dict[str, str]]:
     return {cells[0]: dict(zip(COMPARE_COLUMNS[1:], cells[1:])) for cells in rows}
 
 
-def page_side(documents: list[Path], compare_document: Path, env: dict) -> dict:
+def page_side(documents: list[Path], compare_document: Path, env: dict, greedy: bool) -> dict:
     from playwright.sync_api import sync_playwright
 
     port = _free_port()
@@ -83,6 +83,8 @@ def page_side(documents: list[Path], compare_document: Path, env: dict) -> dict:
             pg.goto(f"http://127.0.0.1:{port}/")
             pg.wait_for_selector("#run-button")
             pg.wait_for_timeout(1500)
+            if greedy:
+                pg.locator("#decoding-select input[value=greedy]").check()
             _, load_s = _click_and_wait(pg, "#run-button", "Done|⚠")  # the sample article: loads the models
             runs = {}
             for doc in documents:
@@ -107,8 +109,9 @@ def page_side(documents: list[Path], compare_document: Path, env: dict) -> dict:
         proc.wait(timeout=30)
 
 
-def benchmark_side(document: Path, modes: list[str], env: dict, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "specviz", "compare", str(document), "--max-new-tokens", "96", "--temperature", "0.8",
+def benchmark_side(document: Path, modes: list[str], env: dict, out: Path, greedy: bool) -> dict:
+    cmd = [sys.executable, "-m", "specviz", "compare", str(document), "--max-new-tokens", "96", "--temperature",
+           "0" if greedy else "0.8",
            "--seed", "0", "--repeat", "3", "--modes", *modes, "--json", str(out)]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())
@@ -121,15 +124,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("documents", nargs="+", type=Path)
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding (default: the page's T = 0.8)")
     args = parser.parse_args()
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
-    page = page_side(args.documents, args.documents[-1], env)
+    page = page_side(args.documents, args.documents[-1], env, args.greedy)
     bench = {}
     for doc in args.documents:
         modes = ["baseline", "exact", "sigmoid"] if doc == args.documents[-1] else ["exact"]
-        bench[doc.name] = benchmark_side(doc, modes, env, Path(f"/tmp/bench-page-truth-{doc.stem}.json"))
+        bench[doc.name] = benchmark_side(doc, modes, env, Path(f"/tmp/bench-page-truth-{doc.stem}.json"), args.greedy)
         print(doc.name, bench[doc.name], flush=True)
-    result = {"machine": machine_summary(), "date": time.strftime("%Y-%m-%d"), "page": page,
+    result = {"machine": machine_summary(), "date": time.strftime("%Y-%m-%d"), "greedy": args.greedy, "page": page,
               "compare_repeat_3": bench}
     for doc in args.documents:
         shown, measured = page["runs"][doc.name]["measured_decode_speedup"], bench[doc.name]["exact"]["speedup_decode"]

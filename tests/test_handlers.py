@@ -315,3 +315,16 @@ def test_a_run_waiting_on_another_sessions_load_shows_that_loads_progress(tiny_p
     first.join(5)
     waiter.join(5)
     assert ("packing the blocks", 0.5) in seen and seen[-1] is tiny_pair
+
+
+def test_the_task_is_resolved_once_at_the_pages_edge_and_an_unknown_one_is_named(tiny_pair, monkeypatch):
+    from specviz.runs import tasks
+
+    looked_up = []
+    resolve = tasks.task_of
+    monkeypatch.setattr(handlers, "task_of", lambda name: looked_up.append(name) or resolve(name))
+    server = _server(tiny_pair)
+    list(handlers.run(server, _values(max_new_tokens=4, measure=True), _caller()[0]))
+    assert looked_up == [TEXT]  # the run, its reference and its scoring got the Task, not the name again
+    final = list(handlers.run(server, _values(task="translate"), _caller()[0]))[-1]
+    assert "unknown task" in final["status"] and "summarize" in final["status"]

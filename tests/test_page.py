@@ -14,7 +14,8 @@ from specviz.figures import report
 from specviz.runs.compare import compare, noise, source_runner
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.runs.decode import run
-from specviz.runs.settings import SPEECH, TEXT, Settings
+from specviz.runs.settings import Settings
+from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE
 from specviz.traces.json_format import loads_trace
 
 from conftest import decode, prompts_source
@@ -113,14 +114,14 @@ def test_end_to_end_against_a_cached_reference_counts_the_runs_own_reading_of_th
     models, references = _Models(tiny_pair), page.References()
     settings = Settings(max_new_tokens=8, target="tiny")
     article = "w1 w2 w3 w4 w5 w6 w7 w8"
-    *_, last = page.stream_run(models, TEXT, article, settings, lambda m, f: None, sessions.StopFlag(),
+    *_, last = page.stream_run(models, SUMMARIZE, article, settings, lambda m, f: None, sessions.StopFlag(),
                                with_reference=True)
     spec, reference = last.trace, last.reference
     by_model = spec.meta["prefill_s_by_model"]
     assert set(by_model) == {"target", "draft"} and sum(by_model.values()) <= spec.prefill_s + 1e-9
     assert reference.mode == "target-only" and reference.new_tokens == 8
     assert reference.meta["prompts_reused"] == 1  # it found the input the run had read in the prompt cache
-    ref = page.new_reference(references, TEXT, article, settings, spec, reference)
+    ref = page.new_reference(references, SUMMARIZE, article, settings, spec, reference)
     assert ref["prefill_timed_in_the_run"] and ref["prefill_s"] == pytest.approx(spec.prefill_s - by_model["draft"])
     decode_s = ref["new_tokens"] / ref["decode_tokens_per_s"]
     assert ref["tokens_per_s"] == pytest.approx(ref["new_tokens"] / (ref["prefill_s"] + decode_s))
@@ -185,17 +186,17 @@ def test_reference_is_measured_once_and_reused(tiny_pair):
     models, references = _Models(tiny_pair), page.References()
     settings = Settings(max_new_tokens=8, target="tiny")
     article = "w1 w2 w3 w4 w5 w6"
-    *_, last = page.stream_run(models, TEXT, article, settings, lambda m, f: None, sessions.StopFlag(),
+    *_, last = page.stream_run(models, SUMMARIZE, article, settings, lambda m, f: None, sessions.StopFlag(),
                                with_reference=True)
-    assert page.known_reference(references, TEXT, article, settings, last.trace) is None
-    first = page.new_reference(references, TEXT, article, settings, last.trace, last.reference)
-    again = page.known_reference(references, TEXT, article, settings, last.trace)
+    assert page.known_reference(references, SUMMARIZE, article, settings, last.trace) is None
+    first = page.new_reference(references, SUMMARIZE, article, settings, last.trace, last.reference)
+    again = page.known_reference(references, SUMMARIZE, article, settings, last.trace)
     assert not first["reused"] and again["reused"] and first["decode_tokens_per_s"] == again["decode_tokens_per_s"]
     assert first["new_tokens"] == 8
-    other = page.References.key(TEXT, article, Settings(max_new_tokens=8, target="tiny", seed=1))
-    assert other != page.References.key(TEXT, article, settings)  # another seed is another reference
+    other = page.References.key(SUMMARIZE, article, Settings(max_new_tokens=8, target="tiny", seed=1))
+    assert other != page.References.key(SUMMARIZE, article, settings)  # another seed is another reference
     draft_only = Settings(max_new_tokens=8, target="tiny", mode="sigmoid", draft_kind="lookup")
-    assert page.References.key(TEXT, article, draft_only) == page.References.key(TEXT, article, settings)
+    assert page.References.key(SUMMARIZE, article, draft_only) == page.References.key(SUMMARIZE, article, settings)
 
 
 def test_measured_speedup_is_labelled_as_measured(tiny_pair, prompt_ids):
@@ -251,9 +252,9 @@ def test_sigmoid_warning_only_when_far(tiny_pair, prompt_ids):
 
 
 @pytest.mark.parametrize("task, rounds, with_hf, message", [
-    (TEXT, 0, False, "1 to 10 rounds"),
-    (TEXT, 11, False, "1 to 10 rounds"),
-    (SPEECH, 1, True, "text with one sequence"),
+    (SUMMARIZE, 0, False, "1 to 10 rounds"),
+    (SUMMARIZE, 11, False, "1 to 10 rounds"),
+    (TRANSCRIBE, 1, True, "text with one sequence"),
 ])
 def test_compare_refuses_bad_settings_with_a_message(tiny_pair, task, rounds, with_hf, message):
     from specviz.text.prompts import InputError

@@ -38,7 +38,7 @@ from specviz.runs.replay import Schedule, replaying, schedule
 from specviz.runs.decode import builder_for, records, run
 from specviz.page.sessions import ModelCache, StopFlag
 from specviz.runs.settings import TEXT, Settings, declaration
-from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE, task_of
+from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE, Task
 from specviz.figures.token_view import token_html
 from specviz.traces.trace import Trace
 from specviz.verify import kernels_active
@@ -200,14 +200,14 @@ def _speech_source(models: ModelCache, audio_path: str | None, settings: Setting
 _SOURCES: dict[str, Callable[..., Source]] = {SUMMARIZE.name: _article_source, TRANSCRIBE.name: _speech_source}
 
 
-def _source(models: ModelCache, task: str, source_input: str | None, settings: Settings, cfg: SpecConfig,
+def _source(models: ModelCache, task: Task, source_input: str | None, settings: Settings, cfg: SpecConfig,
             progress: Progress) -> Source:
     """Built in the handler's thread, which lives on while a worker decodes: it gives its OpenMP team back."""
     with openmp.team_released():
-        return _SOURCES[task_of(task).name](models, source_input, settings, cfg, progress)
+        return _SOURCES[task.name](models, source_input, settings, cfg, progress)
 
 
-def stream_run(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
+def stream_run(models: ModelCache, task: Task, source_input: str | None, settings: Settings, progress: Progress,
                stop: StopFlag, gamma_schedule: Schedule | None = None, with_reference: bool = False
                ) -> Iterator[Frame]:
     """One run of the page: text (source_input is the article) or speech (a path to the audio); on a trace's
@@ -218,8 +218,7 @@ def stream_run(models: ModelCache, task: str, source_input: str | None, settings
         cfg = replaying(cfg, gamma_schedule)
     source = _source(models, task, source_input, settings, cfg, progress)
     reference = _source(models, task, source_input, settings, settings.spec(task), progress) if with_reference else None
-    shown = task_of(task).shown(source_input)
-    meta = {"input": shown, "page_settings": settings.to_dict()}
+    meta = {"input": task.shown(source_input), "page_settings": settings.to_dict()}
     return _streamed(source, cfg, meta, stop, reference=reference)
 
 
@@ -234,15 +233,15 @@ class References:
         self.capacity = capacity
 
     @staticmethod
-    def key(task: str, source_input: str | None, settings: Settings) -> tuple:
+    def key(task: Task, source_input: str | None, settings: Settings) -> tuple:
         """What target-only's output and speed depend on (nothing about the draft or verification)."""
-        if task_of(task).input_is_file:
+        if task.input_is_file:
             stat = Path(source_input or "").stat()
             what = (str(Path(source_input or "").resolve()), stat.st_size, stat.st_mtime_ns)
         else:
             what = hashlib.sha256((source_input or "").encode("utf-8", "replace")).hexdigest()
         sampling = settings.spec(task).sampling
-        return (task, what, settings.target, sampling, settings.max_new_tokens, settings.seed, settings.sequences)
+        return (task.name, what, settings.target, sampling, settings.max_new_tokens, settings.seed, settings.sequences)
 
     def get(self, key: tuple) -> tuple[Trace, float] | None:
         with self._lock:
@@ -259,7 +258,7 @@ class References:
         return at
 
 
-def known_reference(references: References, task: str, source_input: str | None, settings: Settings, run: Trace
+def known_reference(references: References, task: Task, source_input: str | None, settings: Settings, run: Trace
                     ) -> dict[str, Any] | None:
     """What `run` keeps (meta["target_only"]) about an identical earlier run's target-only reference, or None."""
     known = references.get(References.key(task, source_input, settings))
@@ -268,7 +267,7 @@ def known_reference(references: References, task: str, source_input: str | None,
     return report.reference_meta(known[0], reused=True, measured_at=known[1], prefill_s=report.prefill_without_draft(run))
 
 
-def new_reference(references: References, task: str, source_input: str | None, settings: Settings, run: Trace,
+def new_reference(references: References, task: Task, source_input: str | None, settings: Settings, run: Trace,
                   reference: Trace) -> dict[str, Any]:
     """What `run` keeps about the target-only run timed with it (kept for identical later runs), its end to end
     counting the run's own prefill without the draft's reading (report.reference_meta)."""
@@ -276,7 +275,7 @@ def new_reference(references: References, task: str, source_input: str | None, s
     return report.reference_meta(reference, reused=False, measured_at=at, prefill_s=report.prefill_without_draft(run))
 
 
-def compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
+def compare_modes(models: ModelCache, task: Task, source_input: str | None, settings: Settings, progress: Progress,
                   on_stage: Callable[[str], None], rounds: int = 3, with_hf: bool = False, same_schedule: bool = True
                   ) -> tuple[list[Row], dict[str, Trace], str]:
     """Target-only, baseline, exact and sigmoid (and transformers' assisted generation when asked, text
@@ -286,13 +285,13 @@ def compare_modes(models: ModelCache, task: str, source_input: str | None, setti
     numbers mean and how noisy they were."""
     if not 1 <= rounds <= 10:
         raise InputError(f"a comparison runs 1 to 10 rounds, not {rounds}")
-    if with_hf and (task != TEXT or settings.sequences != 1):  # said before any model or input is loaded
+    if with_hf and (task.name != TEXT or settings.sequences != 1):  # said before any model or input is loaded
         raise InputError("transformers' assisted generation is compared on text with one sequence")
     with openmp.team_released():  # compared in the handler's thread, which outlives the comparison
         return _compare_modes(models, task, source_input, settings, progress, on_stage, rounds, with_hf, same_schedule)
 
 
-def _compare_modes(models: ModelCache, task: str, source_input: str | None, settings: Settings, progress: Progress,
+def _compare_modes(models: ModelCache, task: Task, source_input: str | None, settings: Settings, progress: Progress,
                    on_stage: Callable[[str], None], rounds: int, with_hf: bool, same_schedule: bool
                    ) -> tuple[list[Row], dict[str, Trace], str]:
     cfg = settings.spec(task)
@@ -313,19 +312,19 @@ def _compare_modes(models: ModelCache, task: str, source_input: str | None, sett
     for trace in traces.values():
         trace.meta.setdefault("page_settings", dataclasses.replace(
             settings, mode=trace.mode if trace.mode in MODES else settings.mode).to_dict())
-        trace.meta.setdefault("input", task_of(task).shown(source_input))
+        trace.meta.setdefault("input", task.shown(source_input))
     decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
     note = report.compare_note(rounds, noise(rows), decoding) + f"  \nγ: {schedule_note}."
     drift = report.sigmoid_drift(traces)
     return rows, traces, note + ("  \n" + drift if drift else "")
 
 
-def score(trace: Trace, task: str, reference: str) -> None:
+def score(trace: Trace, task: Task, reference: str) -> None:
     """Against a reference the user typed: ROUGE-1 for a summary, WER for a transcript (kept in meta)."""
     if not reference.strip():
         return
     trace.meta["reference"] = reference
-    name, value = task_of(task).score(reference, trace.output_text)
+    name, value = task.score(reference, trace.output_text)
     trace.meta[name] = value
 
 

@@ -30,7 +30,7 @@ from specviz.evaluation.run import Models, ResultsFile, SweepProgress, run_seria
 from specviz.text.prompts import ASSETS, InputError
 from specviz.runs.replay import Schedule, rerun_request
 from specviz.runs.settings import TEXT, Settings, page_names
-from specviz.runs.tasks import SUMMARIZE, TASKS, TRANSCRIBE, task_of, task_of_kind
+from specviz.runs.tasks import SUMMARIZE, TASKS, TRANSCRIBE, Task, task_of, task_of_kind
 from specviz.evaluation.sweep import Grid
 from specviz.traces.trace import Trace, TraceFormatError
 from specviz.traces.json_format import load_trace
@@ -127,9 +127,11 @@ def idle(values: Values) -> Updates:
     return {"stop_button": gr.Button(interactive=False), **{name: gr.Button(interactive=True) for name in STARTS}}
 
 
-def _source_input(values: Values) -> str | None:
-    task = TASKS.get(values["task"])  # None: an unknown task, which Settings.spec refuses naming the choices
-    return values[task.input_key] if task is not None else None
+def task_and_input(values: Values) -> tuple[Task, str | None]:
+    """The page's task, resolved here once and handed on as the Task (ValueError naming the choices for an unknown
+    one), and its input: the article, or the audio file's path."""
+    task = task_of(values["task"])
+    return task, values[task.input_key]
 
 
 def run(server: Server, values: Values, caller: Caller, gamma_schedule: Schedule | None = None) -> Iterator[Updates]:
@@ -149,10 +151,10 @@ def run(server: Server, values: Values, caller: Caller, gamma_schedule: Schedule
 
 def _run(server: Server, values: Values, caller: Caller, stop: sessions.StopFlag, gamma_schedule: Schedule | None
          ) -> Iterator[Updates]:
-    task, progress = values["task"], caller.progress
+    progress = caller.progress
+    task, source_input = task_and_input(values)
     settings = settings_of(values)
     server.limits.check_run(settings)
-    source_input = _source_input(values)
     yield {"status": stamp("Loading models and reading the input…"), "export": gr.DownloadButton(interactive=False),
            "results": gr.Tabs(selected="run-results")}
     measure = bool(values["measure"])
@@ -183,7 +185,7 @@ def _run(server: Server, values: Values, caller: Caller, stop: sessions.StopFlag
     elif measure and not trace.stopped and (known := page.known_reference(server.references, task, source_input,
                                                                            settings, trace)) is not None:
         trace.meta["target_only"] = known
-    page.score(trace, task, values["reference_" + task_of(task).reference_noun] or "")  # the page's reference boxes
+    page.score(trace, task, values["reference_" + task.reference_noun] or "")  # the page's reference boxes
     what = "Stopped" if trace.stopped else "Done"
     measured = "; speedup measured" if trace.target_only is not None else ""
     yield {"status": stamp(f"{what}: {trace.new_tokens} tokens in {len(trace.steps)} iterations{measured}."),
@@ -258,6 +260,7 @@ def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]
 
 
 def _compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+    task, source_input = task_and_input(values)
     settings = settings_of(values)
     rounds = int(values["rounds"])
     server.limits.check_compare(settings, rounds)
@@ -269,7 +272,7 @@ def _compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates
         caller.progress(f"running {name} (run {len(stages)})", None)
 
     with server.activity.running(caller.session) as timed:
-        rows, traces, note = page.compare_modes(server.models, values["task"], _source_input(values), settings,
+        rows, traces, note = page.compare_modes(server.models, task, source_input, settings,
                                                 caller.progress, on_stage, rounds=rounds,
                                                 with_hf=bool(values["with_hf"]),
                                                 same_schedule=bool(values.get("same_schedule", True)))

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from specviz.config import DRAFT_KINDS, GAMMA_POLICIES, MODES, SamplingConfig, SpecConfig
 from specviz.decoding.gamma import DEFAULT_POLICY
 from specviz.models.loading import DEFAULT
-from specviz.runs.tasks import SPEECH, TASKS, TEXT  # noqa: F401 (declared with the tasks; many import them from here)
+from specviz.runs.tasks import SPEECH, TASKS, TEXT, Task  # noqa: F401 (declared with the tasks; many import them from here)
 
 AUTO = "auto"
 _SAME = object()  # a surface's default that is the declared default
@@ -142,12 +142,14 @@ class Settings:
     def greedy(self) -> bool:
         return self.decoding == "greedy" or self.temperature == 0
 
-    def batch(self, task: str) -> int:
+    def batch(self, task: "str | Task") -> int:
+        task = task.name if isinstance(task, Task) else task
         return TASKS[task].batch(self.sequences) if isinstance(task, str) and task in TASKS else 1
 
-    def spec(self, task: str) -> SpecConfig:
-        """The SpecConfig these settings mean for `task`: "auto" and 0 resolved to the task's measured
-        defaults (the γ policy: gamma.DEFAULT_POLICY)."""
+    def spec(self, task: "str | Task") -> SpecConfig:
+        """The SpecConfig these settings mean for `task` (its name, or the Task): "auto" and 0 resolved to the
+        task's measured defaults (the γ policy: gamma.DEFAULT_POLICY)."""
+        task = task.name if isinstance(task, Task) else task
         if not isinstance(task, str) or task not in TASKS:
             raise SettingError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
         scale, drafts = TASKS[task].sigmoid_range, TASKS[task].draft_defaults

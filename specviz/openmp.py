@@ -4,7 +4,7 @@ libgomp keeps a team of worker threads for every OS thread that has run a parall
 that thread lives. While it manages more threads than the machine has cores, it stops letting idle workers
 spin and puts them to sleep after every region, so every region of every team then pays a wake-up. On two
 cores one idle team is enough: after the main thread had loaded the models, the same decoding in another
-thread ran 1.2-1.9x slower (docs/benchmarks.md, "A thread's idle OpenMP team"). The page decodes in worker
+thread ran 1.2-1.9x slower (docs/history.md, "A thread's idle OpenMP team"). The page decodes in worker
 threads while Gradio's handler threads load models and compare modes, so a thread that computed and lives
 on hands its team back when it is done; the next region it runs builds a new one (tens of microseconds).
 """

@@ -456,7 +456,7 @@ def test_a_packed_model_equals_its_dense_twin(packed_pairs, prompt_ids):
         a = dense.target(ids).logits
         b = packed.target(ids).logits
     if "int8 activations" in packed.target_weights:  # another target, near the dense one: stated distance
-        # (random 4-bit weights through 2 layers: 3.6% here; the real pair's figure is in docs/benchmarks.md)
+        # (random 4-bit weights through 2 layers: 3.6% here; the real pair's figure is in docs/history.md)
         relative = float((b - a).norm() / a.norm())
         assert relative < 0.06, f"8-bit activations moved the logits by {relative:.2%} of their norm"
     else:

@@ -84,7 +84,7 @@ def test_the_packed_target_is_the_dense_target_and_the_default_stays_near_it(pai
     """With fp32 activations the packed target is the dequantized fp32 target (logits equal up to float
     rounding, the same greedy choice everywhere). The default runs the same blocks with 8-bit activations:
     another target, within a stated distance of it (97% of greedy tokens over the sample's 501 positions
-    in docs/benchmarks.md; here ≥ 90% of 64 positions, logits within 5% in norm at the median)."""
+    in docs/history.md; here ≥ 90% of 64 positions, logits within 5% in norm at the median)."""
     import torch
 
     from specviz.models.loading import load_model

@@ -40,7 +40,7 @@ inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 // changes: every (head, key) score is the same chain of FMAs over d and the same reduction, every output slice
 // the same sum over keys in order, so the same bits for any HP. Measured on the 2-core Zen 4, the target's 28
 // layers (12 heads over 2 key heads, D = 128, ~600 keys), one head / two / three a pass: one row 2.41 / 2.20 /
-// 2.10 ms, 3 rows 4.74 / 3.89 / 3.80, 8 rows 12.3 / 9.5 / 9.1 (docs/benchmarks.md). Three heads need 24
+// 2.10 ms, 3 rows 4.74 / 3.89 / 3.80, 8 rows 12.3 / 9.5 / 9.1 (docs/history.md). Three heads need 24
 // accumulators, which AVX-512's 32 registers hold;
 // AVX2's 16 would spill, so one head at a time there.
 #ifdef __AVX512F__

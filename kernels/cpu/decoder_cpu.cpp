@@ -5,7 +5,7 @@
 //
 // Why: with the matmuls at the memory's speed, a two-core step was still ~30% something else for the
 // 0.5B draft (4.1 of its 14 ms: ~30 torch operations per layer, each a dispatch and a pass over memory, and
-// ~100 Python calls into the kernels per step; docs/benchmarks.md). Here those are a few loops over rows
+// ~100 Python calls into the kernels per step; docs/history.md). Here those are a few loops over rows
 // that are in cache anyway, and Python pays one call per step.
 //
 // Batch invariance is the contract, as for the kernels it calls: every row's norm, rotary, SwiGLU and

@@ -271,7 +271,7 @@ void run(const float* xp, int64_t M, int64_t K, int64_t N, const float* bias, fl
 // belongs to column l. A group's exact integer sum then needs no reduction across lanes, and the float step
 // (convert, scale, accumulate) is paid once per group of 32 for eight columns instead of once per 4 weights
 // and column: measured on the 2-core Zen 4, the q4 gate projection (8960 × 1536) at 256 rows 27 → 13 ms, at 8
-// rows 0.94 → 0.62 ms, at one row 0.49 → 0.32 ms (the column-major stream prefetches better); docs/benchmarks.md.
+// rows 0.94 → 0.62 ms, at one row 0.49 → 0.32 ms (the column-major stream prefetches better); docs/history.md.
 //   q4: [N8, K/8, 8, 4] bytes (N8 = ceil(N / 8) blocks of 8 columns): in chunk j, byte i of column l holds element
 //       8j + i in its low nibble and 8j + 4 + i in its high one; scale and minv [N8, K/32, 8].
 //   q8: [N8, K/4, 8, 4] bytes, w + 128 (unsigned, for vpdpbusd: Σ(w + 128)·c = Σ w·c + 128 Σ c, and the
@@ -589,7 +589,7 @@ inline void by_width(const Run& run) {
 #endif
 }
 
-// Tile shapes by the call's rows, measured on the 2-core Zen 4 (docs/benchmarks.md); a tile of 2 blocks is one
+// Tile shapes by the call's rows, measured on the 2-core Zen 4 (docs/history.md); a tile of 2 blocks is one
 // Lanes16 vector where the build has them. With AVX-512's 32 registers: up to 4 rows, q4 reads one block of
 // columns at a time (one stream per thread prefetches best: 24 gate and up projections streamed from DRAM at one
 // row 13.4 → 15.8 ms with two blocks), q8 two; more rows go 8 at a time over two blocks (streamed, 8 rows:

@@ -207,7 +207,7 @@ class CostAware:
     The other way round, drafting iterations never measure the plain step that every γ is weighed against: its
     price is the calibration's, scaled by the run's level, and that misses when the cost curve's shape drifts
     (a one-token step bound by memory, a 3-token call partly by arithmetic: 1.08× one at a calibration, 1.34×
-    an hour later on the 2-core EPYC; docs/benchmarks.md). So where the choice is close (the best plan expected
+    an hour later on the 2-core EPYC; docs/history.md). So where the choice is close (the best plan expected
     below PLAIN_PROBE_BELOW) and the run has not timed TRUST plain steps of its own, every PLAIN_PROBE_EVERY-th
     iteration is a plain step: at most PLAIN_PROBES per run (batch sizes change as rows finish: each size's plain
     price then follows the level of the one measured), each losing under half a step where drafting pays.

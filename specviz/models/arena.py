@@ -4,7 +4,7 @@ Why: a decoding step reads every weight once, in order, and with 4 KB pages that
 (~340,000 per target step). Linux gives 2 MB pages to anonymous memory marked MADV_HUGEPAGE before it is
 first touched (transparent huge pages in `madvise` mode, the common default). Measured on a 2-core AMD EPYC
 (Zen 4), weights streamed from DRAM, the q4 gate projection: 0.478 → 0.447 ms at one row and 0.553 → 0.486 ms
-at four (docs/benchmarks.md). Elsewhere (another OS, THP off) the arena is ordinary memory: nothing changes
+at four (docs/history.md). Elsewhere (another OS, THP off) the arena is ordinary memory: nothing changes
 but the copy.
 """
 

@@ -444,7 +444,7 @@ def load_pair(
     how much of it is accepted and how fast it is proposed.
 
     fp32 on the CPU because this class of CPU has no fast bf16 matrix multiply: a bf16 forward over many
-    tokens (prefill, and verification of γ + 1 drafts) took 2-3× longer than fp32 (docs/benchmarks.md); the
+    tokens (prefill, and verification of γ + 1 drafts) took 2-3× longer than fp32 (docs/history.md); the
     embedded weights are dequantized to fp32 exactly anyway, so fp32 is also the unrounded target."""
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype) if dtype is not None else (torch.float32 if device.type == "cpu" else torch.bfloat16)

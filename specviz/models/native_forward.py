@@ -3,7 +3,7 @@ every projection has 8-bit activations.
 
 Why: after the matmuls reached the memory's speed, the 0.5B draft's two-core step was still ~30% norms,
 rotary, cache writes, SiLU and Python (4.1 of 14 ms, ~30 torch operations and 4 kernel calls per layer);
-the draft's cost relative to the target's is what decides whether speculation pays (docs/benchmarks.md).
+the draft's cost relative to the target's is what decides whether speculation pays (docs/history.md).
 
 Contract: batch-invariant bit for bit (each row computed alone, by the same operations whatever the call),
 not transformers' bits: its norms and SiLU reduce in their own order, so logits agree to rounding

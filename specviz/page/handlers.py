@@ -399,37 +399,42 @@ def evaluate(server: Server, values: Values, caller: Caller) -> Iterator[Updates
     at most PAGE_SWEEP_EXAMPLES examples and PAGE_SWEEP_TOKENS tokens; Stop ends it after the cell in flight."""
     stop = server.stops.start(caller.session)
     try:
-        settings = settings_of(values)
-        task = task_of_kind(values["eval_data"])
-        count = int(values["eval_examples"])
-        if not 1 <= count <= PAGE_SWEEP_EXAMPLES:
-            raise InputError(f"the page evaluates 1 to {PAGE_SWEEP_EXAMPLES} examples; the CLI runs whole data sets")
-        server.limits.check_evaluation(count)
-        data = task.bundled
-        examples = load_examples(data, limit=count)
-        base = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, PAGE_SWEEP_TOKENS))
-        grid = Grid(policies=(settings.gamma_policy,), sigmoid_ranges=((settings.sigmoid_alpha, settings.sigmoid_beta),),
-                    temperatures=(0.0 if settings.greedy else settings.temperature,), seeds=(settings.seed,), base=base)
-        cells = grid.cells(examples)
-        yield {"status": stamp(f"Evaluating: {len(cells)} runs on {len(examples)} bundled example(s); loading models…"),
-               "results": gr.Tabs(selected="eval-results")}
-        load = getattr(server.models, task.kind)  # ModelCache loads (and keeps) each kind's pairs: text, speech
-        pair = load(settings.draft, settings.target, caller.progress)
-        path = page.download_folder() / f"specviz-eval-{task.name}-{time.strftime('%Y%m%d-%H%M')}.jsonl"
-
-        def on_cell(progress: SweepProgress, record: dict) -> None:
-            caller.progress(f"run {progress.done} of {progress.total}: {record['example']} · {record['variant']}",
-                            progress.done / progress.total)
-
-        models = Models(task.name, settings.draft, settings.target)
-        with openmp.team_released():  # evaluated in the handler's thread, which outlives the sweep
-            done = run_serial(cells, grid, models, ResultsFile(path), describe(data, examples=examples),
-                              on_cell=on_cell, should_stop=stop.is_set, pair=pair)
-        what = "Stopped" if stop.is_set() else "Done"
-        yield {"status": stamp(f"{what}: {done.done} of {done.total} runs ({done.failed} failed)."),
-               "eval_download": gr.DownloadButton(value=str(path), interactive=True),
-               **evaluation(load_results(path))}
+        with server.activity.running(caller.session):  # its runs share the cores with any other session's timing
+            yield from _evaluate(server, values, caller, stop)
     except Exception as e:
         yield {"status": error(e)}
     finally:
         server.stops.end(caller.session, stop)
+
+
+def _evaluate(server: Server, values: Values, caller: Caller, stop: sessions.StopFlag) -> Iterator[Updates]:
+    settings = settings_of(values)
+    task = task_of_kind(values["eval_data"])
+    count = int(values["eval_examples"])
+    if not 1 <= count <= PAGE_SWEEP_EXAMPLES:
+        raise InputError(f"the page evaluates 1 to {PAGE_SWEEP_EXAMPLES} examples; the CLI runs whole data sets")
+    server.limits.check_evaluation(count)
+    data = task.bundled
+    examples = load_examples(data, limit=count)
+    base = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, PAGE_SWEEP_TOKENS))
+    grid = Grid(policies=(settings.gamma_policy,), sigmoid_ranges=((settings.sigmoid_alpha, settings.sigmoid_beta),),
+                temperatures=(0.0 if settings.greedy else settings.temperature,), seeds=(settings.seed,), base=base)
+    cells = grid.cells(examples)
+    yield {"status": stamp(f"Evaluating: {len(cells)} runs on {len(examples)} bundled example(s); loading models…"),
+           "results": gr.Tabs(selected="eval-results")}
+    load = getattr(server.models, task.kind)  # ModelCache loads (and keeps) each kind's pairs: text, speech
+    pair = load(settings.draft, settings.target, caller.progress)
+    path = page.download_folder() / f"specviz-eval-{task.name}-{time.strftime('%Y%m%d-%H%M')}.jsonl"
+
+    def on_cell(progress: SweepProgress, record: dict) -> None:
+        caller.progress(f"run {progress.done} of {progress.total}: {record['example']} · {record['variant']}",
+                        progress.done / progress.total)
+
+    models = Models(task.name, settings.draft, settings.target)
+    with openmp.team_released():  # evaluated in the handler's thread, which outlives the sweep
+        done = run_serial(cells, grid, models, ResultsFile(path), describe(data, examples=examples),
+                          on_cell=on_cell, should_stop=stop.is_set, pair=pair)
+    what = "Stopped" if stop.is_set() else "Done"
+    yield {"status": stamp(f"{what}: {done.done} of {done.total} runs ({done.failed} failed)."),
+           "eval_download": gr.DownloadButton(value=str(path), interactive=True),
+           **evaluation(load_results(path))}

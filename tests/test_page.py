@@ -146,7 +146,7 @@ def test_the_run_and_its_reference_take_turns_and_keep_their_own_clocks(tiny_pai
     source = prompts_source(tiny_pair, [prompt_ids])
     cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=80, gamma_policy="constant", gamma_init=2)
     started = time.perf_counter()
-    *_, last = page._streamed(source, cfg, {}, sessions.StopFlag(), reference=prompts_source(tiny_pair, [prompt_ids]))
+    *_, last = page._streamed(source, cfg, {}, sessions.StopFlag(), with_reference=True)
     wall = time.perf_counter() - started
     switches = sum(a != b for a, b in zip(seen, seen[1:]))
     assert seen[0] == "shown" and switches >= 4, (switches, seen[:20])

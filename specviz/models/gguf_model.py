@@ -205,12 +205,12 @@ def dequantized(packed: Packed, rows_per_piece: int = 8192) -> torch.Tensor:
     return out
 
 
-def linear_blocks(config: PretrainedConfig, blocks: Blocks) -> dict[str, Packed]:
-    """The blocks of every linear layer of the model by module name (a tied head: the embedding's)."""
-    linears = [name for name, m in _meta_model(config).named_modules() if isinstance(m, nn.Linear)]
+def linear_blocks(model: nn.Module, blocks: Blocks) -> dict[str, Packed]:
+    """The blocks of every linear layer of `model` by module name (a tied head: the embedding's)."""
     head = blocks.packed.get(HEAD, blocks.packed.get(EMBEDDING))
-    return {name: head if name == HEAD else blocks.packed[name] for name in linears
-            if (head if name == HEAD else blocks.packed.get(name)) is not None}
+    layers = {name: head if name == HEAD else blocks.packed.get(name)
+              for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return {name: layer for name, layer in layers.items() if layer is not None}
 
 
 def requantized_q4(config: PretrainedConfig, blocks: Blocks, progress: Progress = _silent) -> dict[str, Packed]:
@@ -218,7 +218,7 @@ def requantized_q4(config: PretrainedConfig, blocks: Blocks, progress: Progress 
     blocks, one layer at a time: the weights quantize_draft_q4 gives on the dense model, without building it."""
     from specviz.models.quant import q4_blocks
 
-    layers = linear_blocks(config, blocks)
+    layers = linear_blocks(_meta_model(config), blocks)
     out = {}
     for i, (name, source) in enumerate(layers.items()):
         progress("re-quantizing the draft to 4 bits", i / len(layers))
@@ -233,24 +233,17 @@ def build(config: PretrainedConfig, blocks: Blocks, *, packed: bool, int8_activa
     from specviz.models.packed import apply_packed
 
     model = _meta_model(config)
-    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    layers = linear_blocks(model, blocks)
     state = dict(blocks.dense)
-    head_blocks = blocks.packed.get(HEAD, blocks.packed.get(EMBEDDING))  # a tied head reads the embedding
     if EMBEDDING in blocks.packed:
         state[f"{EMBEDDING}.weight"] = dequantized(blocks.packed[EMBEDDING])
     if not packed:
-        for name in linears:
-            source = head_blocks if name == HEAD else blocks.packed.get(name)
-            if source is not None:
-                state[f"{name}.weight"] = dequantized(source)
+        state.update({f"{name}.weight": dequantized(layer) for name, layer in layers.items()})
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False) and not packed and f"{HEAD}.weight" not in state:
         model.tie_weights()
     if packed:
-        layer_blocks = {name: blocks.packed[name] for name in linears if name in blocks.packed}
-        if head_blocks is not None:
-            layer_blocks[HEAD] = head_blocks
-        apply_packed(model, layer_blocks, int8_activations=int8_activations)
+        apply_packed(model, layers, int8_activations=int8_activations)
     missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if missing:
         raise ValueError(f"the GGUF file holds no weight for {len(missing)} parameters (e.g. {missing[0]})")

@@ -27,7 +27,8 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from specviz.models import cpu_kernels, gguf_model, hub, lean
 from specviz.cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
@@ -294,14 +295,19 @@ def load_model(
     return model, tokenizer, label
 
 
-def _from_blocks_dir(directory: Path, label: str, packed: bool, int8_activations: bool
-                     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A model from a cache directory ensure_embedded made: on its packed blocks, or dequantized (dense)."""
+def _cached(directory: Path, label: str) -> tuple[PretrainedConfig, gguf_model.Blocks]:
+    """The config and blocks in a cache directory ensure_embedded made."""
     blocks = gguf_model.load_blocks(directory)
     if blocks is None:
         raise ModelLoadError(f"the packed blocks of {label!r} in {directory} are missing or unreadable; "
                              "delete that directory to pack the model again")
-    config = AutoConfig.from_pretrained(directory)
+    return AutoConfig.from_pretrained(directory), blocks
+
+
+def _from_blocks_dir(directory: Path, label: str, packed: bool, int8_activations: bool
+                     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model from a cache directory ensure_embedded made: on its packed blocks, or dequantized (dense)."""
+    config, blocks = _cached(directory, label)
     model = gguf_model.build(config, blocks, packed=packed, int8_activations=int8_activations)
     return model, AutoTokenizer.from_pretrained(directory)
 
@@ -384,11 +390,7 @@ def _embedded_q4_draft(name: str, progress: Progress) -> tuple[PreTrainedModel, 
     quantize_draft_q4 gives on its dense model): computed once from its packed blocks, then read back."""
     directory = ensure_embedded(name, progress)
     progress(f"loading draft model {name}", None)
-    blocks = gguf_model.load_blocks(directory)
-    if blocks is None:
-        raise ModelLoadError(f"the packed blocks of {name!r} in {directory} are missing or unreadable; "
-                             "delete that directory to pack the model again")
-    config = AutoConfig.from_pretrained(directory)
+    config, blocks = _cached(directory, name)
     q4 = load_packed(directory / Q4_DRAFT_FILE)
     if q4 is None:
         q4 = gguf_model.requantized_q4(config, blocks, progress)

@@ -83,10 +83,10 @@ SHOWN, REFERENCE = "shown", "reference"
 
 
 def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopFlag, target_only: bool = False,
-              reference: Source | None = None) -> Iterator[Frame]:
-    """Decode in a worker thread; yield frames as iterations arrive. With `reference`, target-only decodes that
-    source too, in turns with this run once the run has read its input (so the reference finds the input in the
-    prompt cache); the last frame carries its trace.
+              with_reference: bool = False) -> Iterator[Frame]:
+    """Decode in a worker thread; yield frames as iterations arrive. With `with_reference`, target-only decodes
+    the same source too (a source only hands out fresh decoders), in turns with this run once the run has read its
+    input (so the reference finds the input in the prompt cache); the last frame carries its trace.
 
     The worker only produces immutable records and puts them on a queue, one at a time: it waits until this
     generator, in the page's thread, is done with each (drawn it or not), so the two never run at once; a run
@@ -97,8 +97,8 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
     """
     updates: queue.Queue = queue.Queue()  # (which run, record, its own "handled" event), then a _Failure or None
     builders = {SHOWN: builder_for(source, cfg, target_only=target_only, meta=meta)}
-    if reference is not None:
-        builders[REFERENCE] = builder_for(reference, cfg, target_only=True)
+    if with_reference:
+        builders[REFERENCE] = builder_for(source, cfg, target_only=True)
 
     def handed_over(handled: threading.Event) -> None:
         """Wait until the page is done with the record (the engine stays there, its clock stopped), a stop,
@@ -109,9 +109,15 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
 
     def work() -> None:
         runs = {SHOWN: records(source, cfg, target_only=target_only)}
-        started = {SHOWN}
+        waiting = with_reference  # the reference starts once the run has read its input (or is over)
         turn, turn_ends = SHOWN, float("inf")
         iterations = 0
+
+        def start_reference() -> None:
+            nonlocal waiting, turn_ends
+            runs[REFERENCE], waiting = records(source, cfg, target_only=True), False
+            turn_ends = time.perf_counter() + TURN_S
+
         try:
             while runs:
                 if stop.is_set():
@@ -121,9 +127,8 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
                 event = next(runs[turn], None)
                 if event is None:  # this run is over: the other goes on alone
                     del runs[turn]
-                    if reference is not None and REFERENCE not in started:  # a run with no iteration at all
-                        runs[REFERENCE] = records(reference, cfg, target_only=True)
-                        started.add(REFERENCE)
+                    if waiting:  # a run with no iteration at all
+                        start_reference()
                     turn, turn_ends = next(iter(runs), turn), float("inf")
                     continue
                 if turn == SHOWN:
@@ -131,10 +136,8 @@ def _streamed(source: Source, cfg: SpecConfig, meta: dict[str, Any], stop: StopF
                 handled = threading.Event()
                 updates.put((turn, event, handled))
                 handed_over(handled)
-                if reference is not None and REFERENCE not in started and isinstance(event, Iteration):
-                    runs[REFERENCE] = records(reference, cfg, target_only=True)  # the input is read: its turns begin
-                    started.add(REFERENCE)
-                    turn_ends = time.perf_counter() + TURN_S
+                if waiting and isinstance(event, Iteration):  # the input is read: the reference's turns begin
+                    start_reference()
                 if len(runs) == 2 and time.perf_counter() >= turn_ends:
                     turn = REFERENCE if turn == SHOWN else SHOWN
                     turn_ends = time.perf_counter() + TURN_S
@@ -217,9 +220,8 @@ def stream_run(models: ModelCache, task: Task, source_input: str | None, setting
     if gamma_schedule:
         cfg = replaying(cfg, gamma_schedule)
     source = _source(models, task, source_input, settings, cfg, progress)
-    reference = _source(models, task, source_input, settings, settings.spec(task), progress) if with_reference else None
     meta = {"input": task.shown(source_input), "page_settings": settings.to_dict()}
-    return _streamed(source, cfg, meta, stop, reference=reference)
+    return _streamed(source, cfg, meta, stop, with_reference=with_reference)
 
 
 class References:

@@ -253,13 +253,13 @@ def compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]
     """Every mode and target-only on the same input and seed, in interleaved rounds; on one γ schedule unless the
     page says otherwise ("same_schedule")."""
     try:
-        with server.activity.running(caller.session):
-            yield from _compare(server, values, caller)
+        with server.activity.running(caller.session) as timed:  # loading, then every timed run
+            yield from _compare(server, values, caller, timed)
     except Exception as e:
         yield {"status": error(e)}
 
 
-def _compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates]:
+def _compare(server: Server, values: Values, caller: Caller, timed: sessions.Activity.Entry) -> Iterator[Updates]:
     task, source_input = task_and_input(values)
     settings = settings_of(values)
     rounds = int(values["rounds"])
@@ -271,11 +271,9 @@ def _compare(server: Server, values: Values, caller: Caller) -> Iterator[Updates
         stages.append(name)
         caller.progress(f"running {name} (run {len(stages)})", None)
 
-    with server.activity.running(caller.session) as timed:
-        rows, traces, note = page.compare_modes(server.models, task, source_input, settings,
-                                                caller.progress, on_stage, rounds=rounds,
-                                                with_hf=bool(values["with_hf"]),
-                                                same_schedule=bool(values.get("same_schedule", True)))
+    rows, traces, note = page.compare_modes(server.models, task, source_input, settings, caller.progress, on_stage,
+                                            rounds=rounds, with_hf=bool(values["with_hf"]),
+                                            same_schedule=bool(values.get("same_schedule", True)))
     if server.activity.overlapped(timed):
         note += ("  \n**Measured while another session was working on this server**: its runs shared the cores "
                  "with these, so the figures may be off.")

@@ -32,6 +32,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 
 from specviz.models import cpu_kernels, gguf_model, hub, lean
 from specviz.cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
+from specviz.memory import release_freed_memory
 from specviz.models.errors import ModelLoadError
 from specviz.models.gguf_file import GGUFFile, GGUFFormatError
 from specviz.models.packed import PackingError, apply_packed, describe, load_packed, pack_gguf, save_packed
@@ -216,6 +217,7 @@ def ensure_embedded(name: str, progress: Progress = _silent) -> Path:
         seal(work / "model", made_from)
         shutil.rmtree(final, ignore_errors=True)
         (work / "model").rename(final)
+    release_freed_memory()  # the packing's buffers (a GB for the target) go back to the OS
     progress(f"{name} ready", 1.0)
     return final
 
@@ -292,6 +294,7 @@ def load_model(
     if model.dtype != dtype:  # a GGUF model is built in fp32 (its dequantized values are exact there)
         model.to(dtype)
     model.to(device).eval()
+    release_freed_memory()  # the row-major blocks and dequantized pieces a build freed go back to the OS
     return model, tokenizer, label
 
 
@@ -397,6 +400,7 @@ def _embedded_q4_draft(name: str, progress: Progress) -> tuple[PreTrainedModel, 
         save_packed(q4, directory / Q4_DRAFT_FILE)
     model = gguf_model.build(config, gguf_model.Blocks({**blocks.packed, **q4}, blocks.dense), packed=True,
                              int8_activations=True)
+    release_freed_memory()  # the draft's unused GGUF blocks and the re-quantization's buffers
     return lean.attach(model), AutoTokenizer.from_pretrained(directory), f"{name} (4-bit)"
 
 

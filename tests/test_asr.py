@@ -213,9 +213,10 @@ def test_greedy_equality_with_the_quantized_draft_and_a_reduced_head(draft_vocab
         assert kernel_decoder(target) == (4 * 10 + 1 if cpu_kernels.available() else 0)  # 10 linears a layer, the head
         lean_decoder.attach(target)
     processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
-    # as load_speech_pair runs it: the quantized draft's cross-attention keys and values in fp16
+    # as load_speech_pair runs it: the quantized draft's cross-attention keys and values in fp16, the target's own
+    # (computed once a window) where both decoders are lean
     pair = SpeechPair(target, lean_decoder.attach(quantized_layer_draft(target, (0, 1, 3))[0], torch.float16),
-                      processor, "tiny", "tiny quantized")
+                      processor, "tiny", "tiny quantized", draft_layers=(0, 1, 3))
     clips = [(f"c{i}", _tone(f, SAMPLE_RATE, freq=220 * (i + 1))) for i, f in enumerate((2.0, 4.0, 3.0))]
     cfg = SpecConfig(mode="exact", gamma_policy="bass", max_new_tokens=24, draft_vocab=draft_vocab,
                      draft_confidence=confidence)
@@ -228,6 +229,36 @@ def test_greedy_equality_with_the_quantized_draft_and_a_reduced_head(draft_vocab
         for d in trace.decisions():
             steps.setdefault(d.step, set()).add(d.gamma)
         assert any(len(g) > 1 for g in steps.values()), "no ragged iteration: the test would prove little"
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.has_attention(), reason="needs specviz's kernels")
+def test_a_layer_draft_reads_the_targets_cross_attention_keys_and_values():
+    """A window's cross-attention keys and values are computed once, by the target: a layer draft's caches hold
+    fp16 copies of its layers' (not a second projection through its 4-bit copies), the target's the fp32 ones a
+    first call would have computed, bit for bit."""
+    target = tiny_whisper()
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(p.half().float())
+    kernel_decoder(target)
+    lean_decoder.attach(target)
+    processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
+    pair = SpeechPair(target, lean_decoder.attach(quantized_layer_draft(target, (0, 1, 3))[0], torch.float16),
+                      processor, "tiny", "tiny quantized", draft_layers=(0, 1, 3))
+    source = SpeechSource(pair, [("a", _tone(2.0, SAMPLE_RATE)), ("b", _tone(3.0, SAMPLE_RATE, freq=440))])
+    draft, tgt = source.decoders([0, 1], with_draft=True)
+    encoder_out = tgt.encoder_out
+    for i, layer in enumerate(target.model.decoder.layers):
+        a = layer.encoder_attn
+        k = a.k_proj(encoder_out).view(2, -1, 4, 16).transpose(1, 2)
+        assert torch.equal(tgt.cache.cross_attention_cache.layers[i].keys, k)
+    for i, t in enumerate((0, 1, 3)):
+        kept = draft.cache.cross_attention_cache.layers[i]
+        assert kept.keys.dtype == torch.float16
+        assert torch.equal(kept.values, tgt.cache.cross_attention_cache.layers[t].values.half())
+    assert all(draft.cache.is_updated.values()) and len(draft.cache.is_updated) == 3
+    _, alone = source.decoders([0, 1], with_draft=False)  # target-only: the target computes its own as before
+    assert torch.equal(alone.cache.cross_attention_cache.layers[2].keys, tgt.cache.cross_attention_cache.layers[2].keys)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

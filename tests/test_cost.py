@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from specviz import theory
 from specviz.theory import expected_tokens_by_position
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.decoding.acceptance import RunningAcceptance
-from specviz.decoding.calibration import CALIBRATION_TOKENS, MAX_GAMMA, calibrate
+from specviz.decoding.calibration import CALIBRATION_TOKENS, CHECK_TOKENS, MAX_GAMMA, calibrate
 from specviz.decoding.cost import CostModel
 from specviz.decoding.expectation import best_gamma, break_even_alpha, expected_speedup, speedups
 from specviz.decoding.gamma import CostAware, Feedback, Plan
@@ -266,16 +268,33 @@ def test_policy_without_measurements_keeps_its_gamma():
 def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
     calls = []
-    steps = (lambda m: calls.append(("target", m)), lambda: calls.append(("draft",)), lambda: calls.append(("plain",)))
+    per_token = [0.0005]  # the machine's shape: a target call sleeps 2 ms + per_token · M
+
+    def target(m: int) -> None:
+        calls.append(("target", m))
+        time.sleep(0.002 + per_token[0] * m)
+
+    steps = (target, lambda: calls.append(("draft",)), lambda: calls.append(("plain",)))
     first = CostModel()
     calibrate(first, {"target": "t"}, 1, *steps)
     assert {c[1] for c in calls if c[0] == "target"} == set(CALIBRATION_TOKENS)
     assert not first.calibrated_from_cache and first.ready
+    # every point is timed in each round, so a slow spell falls on all of them: rounds interleave the points
+    timed = [c[1] for c in calls if c[0] == "target"]
+    assert timed.index(CALIBRATION_TOKENS[-1]) < len(timed) - timed[::-1].index(1) - 1
     n = len(calls)
     again = CostModel()
     calibrate(again, {"target": "t"}, 1, *steps)
-    assert len(calls) == n and again.calibrated_from_cache
+    spot = calls[n:]  # read from the file after a spot check of its shape: one token against CHECK_TOKENS
+    assert {c[1] for c in spot} == {1, CHECK_TOKENS} and again.calibrated_from_cache
     assert sorted(again.target) == sorted(first.target)
+    per_token[0] = 0.006  # the machine now prices several tokens far above what the file says: measured again
+    n = len(calls)
+    changed = CostModel()
+    calibrate(changed, {"target": "t"}, 1, *steps)
+    assert {c[1] for c in calls[n:] if c[0] == "target"} == set(CALIBRATION_TOKENS) and not changed.calibrated_from_cache
+    assert changed.curve[(1, CHECK_TOKENS)] / changed.curve[(1, 1)] > 2 * again.curve[(1, CHECK_TOKENS)] / again.curve[(1, 1)]
+    n = len(calls)
     other_batch = CostModel()
     calibrate(other_batch, {"target": "t"}, 2, *steps)  # another batch size is another curve
     assert len(calls) > n and not other_batch.calibrated_from_cache

@@ -17,23 +17,16 @@ from specviz.machine import describe as describe_machine
 from specviz.native import source_digest
 
 CALIBRATION_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row scored in the calibration calls
-CALIBRATION_REPEATS = 2  # timed calls per point (twice as many at one token), after one warm-up
-CALIBRATION_VERSION = 3  # bump when what a calibration measures changes: older cached curves are ignored (v2:
-# the plain step timed apart from the one-token forward; one noisy spell priced it at 1.5× that forward for good)
+CALIBRATION_REPEATS = 3  # rounds of timed calls (every point once a round), after one warm-up
+CALIBRATION_VERSION = 4  # bump when what a calibration measures changes: older cached curves are ignored (v2:
+# the plain step timed apart from the one-token forward; one noisy spell priced it at 1.5× that forward for good;
+# v4: every point in each round)
+CHECK_TOKENS = 4  # a cached curve's shape is checked here against one token (_shape_holds)
+CHECK_TOLERANCE = 0.25
 MAX_GAMMA = CALIBRATION_TOKENS[-1] - 1  # beyond the calibrated curve a γ would be priced by extrapolation
 
 
 Step = Callable[[int], None]  # runs one call scoring M tokens per row (and undoes it)
-
-
-def _timed(call: Callable[[], None], repeats: int) -> list[float]:
-    call()  # warm-up: first calls allocate
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def _cache_path(identity: dict) -> Path:
@@ -64,33 +57,64 @@ def _read_cached(path: Path) -> dict | None:
         return None
 
 
+def _rounds(calls: dict[object, Callable[[], None]], repeats: int) -> dict[object, float]:
+    """Median seconds of each call over `repeats` rounds that run every call once, after one warm-up of each: a
+    slow spell of the host then falls on every point alike, so the curve's shape (what the policy weighs γ by)
+    survives it; timed point after point, a spell at 3 tokens once priced them at 1.5× one for good on a Whisper
+    target whose true ratio is 1.1×."""
+    for call in calls.values():
+        call()
+    samples: dict[object, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            samples[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
+def _shape_holds(cached: CostModel, batch: int, target_step: Step) -> bool:
+    """Whether this machine still prices CHECK_TOKENS tokens against one as the cached curve does (within
+    CHECK_TOLERANCE): a curve written while the host was busy, or before a change of its clocks, is measured
+    again rather than steering every later run."""
+    one, more = _alternating(lambda: target_step(1), lambda: target_step(CHECK_TOKENS), CALIBRATION_REPEATS)
+    expected = cached.curve[(batch, CHECK_TOKENS)] / cached.curve[(batch, 1)]
+    return abs(statistics.median(more) / statistics.median(one) / expected - 1) <= CHECK_TOLERANCE
+
+
 def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, draft_step: Callable[[], None] | None,
               plain_step: Callable[[], None]) -> None:
     """Measure the target at CALIBRATION_TOKENS per row, a draft forward and a plain step for this batch size,
-    or take them from the cache file of this machine, models and batch size. Each step undoes itself."""
+    or take them from the cache file of this machine, models and batch size where a spot check of its shape
+    agrees. Each step undoes itself."""
     path = _cache_path({**identity, "batch": batch})
     t0 = time.perf_counter()
     cached = _read_cached(path)
-    if cached is None:
-        # One token sets the level every other price is compared with, and a plain step is priced as its share of
-        # it: those two alternate, so that a slow spell of the host falls on both (more repeats there).
-        one, plain = _alternating(lambda: target_step(1), plain_step, 2 * CALIBRATION_REPEATS)
-        costs.set_target(batch, 1, statistics.median(one))
-        costs.set_plain(batch, statistics.median(plain))
-        for m in CALIBRATION_TOKENS[1:]:
-            costs.set_target(batch, m, statistics.median(_timed(lambda: target_step(m), CALIBRATION_REPEATS)))
+    model = CostModel.from_dict(cached) if cached is not None else None
+    if model is not None and not ((batch, 1) in model.curve and (batch, CHECK_TOKENS) in model.curve
+                                  and _shape_holds(model, batch, target_step)):
+        model = None
+    if model is None:
+        # every point in each round (see _rounds); the plain step beside the one-token forward it is priced against
+        calls: dict[object, Callable[[], None]] = {1: lambda: target_step(1), "plain": plain_step}
+        calls.update({m: (lambda m=m: target_step(m)) for m in CALIBRATION_TOKENS[1:]})
         if draft_step is not None:
-            costs.set_draft(batch, statistics.median(_timed(draft_step, CALIBRATION_REPEATS)))
+            calls["draft"] = draft_step
+        timed = _rounds(calls, CALIBRATION_REPEATS)
+        for m in CALIBRATION_TOKENS:
+            costs.set_target(batch, m, timed[m])
+        costs.set_plain(batch, timed["plain"])
+        if draft_step is not None:
+            costs.set_draft(batch, timed["draft"])
         _write(path, {"target": [[batch, m, costs.curve[(batch, m)], 0] for m in CALIBRATION_TOKENS],
                       "plain": [[batch, costs.curve_plain[batch], 0]],
                       "draft": [[batch, costs.curve_draft[batch], 0]] if batch in costs.curve_draft else []})
     else:
-        model = CostModel.from_dict(cached)
         costs.curve.update(model.curve)
         costs.curve_plain.update(model.curve_plain)
         costs.curve_draft.update(model.curve_draft)
     costs.calibration_s += time.perf_counter() - t0
-    costs.calibrated_from_cache = cached is not None
+    costs.calibrated_from_cache = model is not None
 
 
 def _write(path: Path, d: dict) -> None:

@@ -75,7 +75,7 @@ class LeanWhisperDecoder:
         approximations change acceptance, never the output) halves what every step reads of them, 30 MB a step
         for the embedded layer draft; fp32 keeps transformers' bits."""
         decoder = model.model.decoder
-        self.cross_kv = cross_kv
+        self.cross_dtype = cross_kv
         self.embed = decoder.embed_tokens.weight  # [V, d]
         self.positions = decoder.embed_positions.weight  # [max positions, d]
         self.layers = list(decoder.layers)
@@ -89,21 +89,34 @@ class LeanWhisperDecoder:
         q = q.view(B, W, self.heads, self.head_dim).transpose(1, 2).contiguous()  # [B, H, W, D]
         return cpu_kernels.attention(q, keys, values, sees, 1.0).reshape(B, W, -1).contiguous()
 
+    def cross_kv(self, encoder_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's cross-attention keys and values [B, H, frames, D] for encoder_out [B, frames, d], fp32 and
+        by transformers' operations (a window computes them once; a layer draft made of these layers reads them
+        too, speech.asr.SpeechSource.decoders)."""
+        return [self._project_cross(layer, encoder_out) for layer in self.layers]
+
+    def _project_cross(self, layer: nn.Module, encoder_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (encoder_out.shape[0], -1, self.heads, self.head_dim)
+        a = layer.encoder_attn
+        return (a.k_proj(encoder_out).view(shape).transpose(1, 2).contiguous(),
+                a.v_proj(encoder_out).view(shape).transpose(1, 2).contiguous())
+
+    def kept(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values as this decoder keeps them (`cross_kv` of __init__): fp16 copies where
+        asked and in range, else the fp32 ones."""
+        if self.cross_dtype == torch.float16:
+            k16, v16 = k.half(), v.half()
+            if torch.isfinite(k16).all() and torch.isfinite(v16).all():  # else this layer keeps fp32 (out of range)
+                return k16, v16
+        return k, v
+
     def _cross(self, i: int, layer: nn.Module, cache, encoder_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's cross-attention keys and values [B, H, frames, D]: computed on a window's first call, then
-        read from the cache as transformers' Whisper does."""
+        """Layer i's cross-attention keys and values [B, H, frames, D]: read from the cache, where a window's first
+        call (or its decoder's set-up) put them, as transformers' Whisper does."""
         cross = cache.cross_attention_cache
         if cache.is_updated.get(i):
             return cross.layers[i].keys, cross.layers[i].values
-        B = encoder_out.shape[0]
-        shape = (B, -1, self.heads, self.head_dim)
-        a = layer.encoder_attn
-        k = a.k_proj(encoder_out).view(shape).transpose(1, 2).contiguous()
-        v = a.v_proj(encoder_out).view(shape).transpose(1, 2).contiguous()
-        if self.cross_kv == torch.float16:
-            k16, v16 = k.half(), v.half()
-            if torch.isfinite(k16).all() and torch.isfinite(v16).all():  # else this layer keeps fp32 (out of range)
-                k, v = k16, v16
+        k, v = self.kept(*self._project_cross(layer, encoder_out))
         cache.is_updated[i] = True
         return cross.update(k, v, i)
 

@@ -37,8 +37,13 @@ def test_a_reduced_head_is_credited_with_its_rows_only(tiny_4bit):
     assert weight_bytes(tiny_4bit, head) == weight_bytes(tiny_4bit) - full.nbytes + head.linear.nbytes
     assert head.linear.nbytes < full.nbytes
     assert linear_params(tiny_4bit, head) == linear_params(tiny_4bit) - 64 * (512 - 66)
+    scored = []  # and it is the head the steps are timed through (the 32K row once timed the full head)
+    counting = type(head).__call__
+    head.__class__ = type("CountingHead", (type(head),),
+                          {"__call__": lambda self, hidden: scored.append(hidden.shape) or counting(self, hidden)})
     costs = step_costs(tiny_4bit, 512, list(range(5, 45)), [1, 3], repeat=2, warmup=1, head=head)
     assert [s["tokens"] for s in costs["steps"]] == [1, 3]
+    assert scored and {shape[1] for shape in scored} >= {1, 3}
 
 
 def test_dense_weights_count_their_own_bytes():

@@ -27,7 +27,7 @@ def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: 
     "linear_share": the fraction of a step inside the linear layers, "outside": {kind: fraction of a step} for
     the rest where the native layers time it (norm, rotary_cache, attention, swiglu, residual, and "other": the
     embedding, mask, final norm and Python)}]}."""
-    decoder = CausalLMDecoder(model, vocab, 1)
+    decoder = CausalLMDecoder(model, vocab, 1, head)
     t0 = time.perf_counter()
     decoder.prefill([prompt])
     prefill_s = time.perf_counter() - t0

@@ -234,8 +234,8 @@ def test_greedy_equality_with_the_quantized_draft_and_a_reduced_head(draft_vocab
 @pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.has_attention(), reason="needs specviz's kernels")
 def test_a_layer_draft_reads_the_targets_cross_attention_keys_and_values():
     """A window's cross-attention keys and values are computed once, by the target: a layer draft's caches hold
-    fp16 copies of its layers' (not a second projection through its 4-bit copies), the target's the fp32 ones a
-    first call would have computed, bit for bit."""
+    fp16 copies of its layers' (not a second projection through its 4-bit copies); the target's are the same
+    bits whichever windows share the batch."""
     target = tiny_whisper()
     with torch.no_grad():
         for p in target.parameters():
@@ -248,17 +248,19 @@ def test_a_layer_draft_reads_the_targets_cross_attention_keys_and_values():
     source = SpeechSource(pair, [("a", _tone(2.0, SAMPLE_RATE)), ("b", _tone(3.0, SAMPLE_RATE, freq=440))])
     draft, tgt = source.decoders([0, 1], with_draft=True)
     encoder_out = tgt.encoder_out
+    _, alone = SpeechSource(pair, [("b", _tone(3.0, SAMPLE_RATE, freq=440))]).decoders([0], with_draft=False)
     for i, layer in enumerate(target.model.decoder.layers):
         a = layer.encoder_attn
-        k = a.k_proj(encoder_out).view(2, -1, 4, 16).transpose(1, 2)
-        assert torch.equal(tgt.cache.cross_attention_cache.layers[i].keys, k)
+        keys = tgt.cache.cross_attention_cache.layers[i].keys
+        # torch's GEMM a window at a time: the kernel's values up to rounding, and the same bits for a window
+        # decoded alone (target-only and speculative runs alike)
+        torch.testing.assert_close(keys, a.k_proj(encoder_out).view(2, -1, 4, 16).transpose(1, 2), rtol=1e-5, atol=1e-5)
+        assert torch.equal(keys[1:], alone.cache.cross_attention_cache.layers[i].keys)
     for i, t in enumerate((0, 1, 3)):
         kept = draft.cache.cross_attention_cache.layers[i]
         assert kept.keys.dtype == torch.float16
         assert torch.equal(kept.values, tgt.cache.cross_attention_cache.layers[t].values.half())
     assert all(draft.cache.is_updated.values()) and len(draft.cache.is_updated) == 3
-    _, alone = source.decoders([0, 1], with_draft=False)  # target-only: the target computes its own as before
-    assert torch.equal(alone.cache.cross_attention_cache.layers[2].keys, tgt.cache.cross_attention_cache.layers[2].keys)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -285,16 +285,17 @@ def decoder_prompt(processor: WhisperProcessor, model: WhisperForConditionalGene
 
 
 def _cross_attention(pair: SpeechPair, encoder_out: torch.Tensor, with_draft: bool) -> tuple[list | None, list | None]:
-    """A window's cross-attention keys and values for (target, draft), computed once: a layer draft's layers are
-    the target's, so it reads the target's own (fp16 copies where it keeps them so), where before it projected
-    the encoder's output again through its 4-bit copies of the same layers (50 ms a window on the 2-core EPYC;
-    its agreement with the target can only gain). (None, None) where the lean decoders do not run: transformers'
-    forward computes its own on the first call."""
-    target, draft = getattr(pair.target, "lean_decoder", None), getattr(pair.draft, "lean_decoder", None)
-    if target is None or draft is None or pair.draft_layers is None:
-        return None, None
-    cross = target.cross_kv(encoder_out)
-    return cross, ([draft.kept(*cross[i]) for i in pair.draft_layers] if with_draft else None)
+    """A window's cross-attention keys and values for (target, draft), computed once (lean_decoder.cross_kv), for
+    target-only runs as for speculative ones. A layer draft's layers are the target's, so it reads the target's
+    own (fp16 copies where its lean decoder keeps them so), where before it projected the encoder's output again
+    through its 4-bit copies of the same layers (~35 ms a window on the 2-core EPYC; its agreement with the target
+    can only gain). None where the target's decoder is not on the kernels (transformers' forward computes its own
+    on the first call), and for a draft that is not made of the target's layers."""
+    cross = lean_decoder.cross_kv(pair.target, encoder_out)
+    if cross is None or not with_draft or pair.draft_layers is None:
+        return cross, None
+    draft = getattr(pair.draft, "lean_decoder", None)
+    return cross, [draft.kept(*cross[i]) if draft is not None else cross[i] for i in pair.draft_layers]
 
 
 def _clock(seconds: float) -> str:

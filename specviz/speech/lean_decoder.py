@@ -66,6 +66,31 @@ def _gelu(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.gelu(rows[i:i + group]) for i in range(0, len(rows), group)]).reshape(x.shape)
 
 
+def cross_kv(model: nn.Module, encoder_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Every decoder layer's cross-attention keys and values [B, H, frames, D] for encoder_out [B, frames, d], fp32,
+    a window's once (a layer draft made of these layers reads them too, speech.asr.SpeechSource.decoders); None
+    unless the decoder is on the fp16-weight kernel (asr.kernel_decoder): elsewhere transformers' forward computes
+    them. Each window's frames go through torch's GEMM on the layers' own weights (fp16 values, exact in fp32): at
+    1,500 rows it runs at ~80 GMAC/s where the fp16-weight kernel, built for a few decoder rows, ran 42 (the
+    embedded target's six layers 111 → ~60 ms a window on the 2-core EPYC). One window per GEMM, so every call has
+    one shape and a window's keys never depend on which windows share its batch. Not the bits of a first decoder
+    call's own projection: a source gives both decoders of a run these, target-only runs included."""
+    decoder = model.model.decoder
+    projections = [(layer.encoder_attn.k_proj, layer.encoder_attn.v_proj) for layer in decoder.layers]
+    if not all(isinstance(m, HalfLinear) for pair in projections for m in pair):
+        return None
+    B = encoder_out.shape[0]
+    heads = decoder.config.decoder_attention_heads
+    shape = (B, -1, heads, decoder.config.d_model // heads)
+
+    def project(linear: HalfLinear) -> torch.Tensor:  # -> [B, H, frames, D]
+        weight = linear.weight.float()
+        frames = torch.stack([F.linear(encoder_out[b], weight, linear.bias) for b in range(B)])
+        return frames.view(shape).transpose(1, 2).contiguous()
+
+    return [(project(k), project(v)) for k, v in projections]
+
+
 class LeanWhisperDecoder:
     """The decoder forward of one supported model. Holds references to the model's own modules; read-only after
     construction, so one instance serves any number of decoders and threads."""
@@ -89,20 +114,8 @@ class LeanWhisperDecoder:
         q = q.view(B, W, self.heads, self.head_dim).transpose(1, 2).contiguous()  # [B, H, W, D]
         return cpu_kernels.attention(q, keys, values, sees, 1.0).reshape(B, W, -1).contiguous()
 
-    def cross_kv(self, encoder_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's cross-attention keys and values [B, H, frames, D] for encoder_out [B, frames, d], fp32 and
-        by transformers' operations (a window computes them once; a layer draft made of these layers reads them
-        too, speech.asr.SpeechSource.decoders)."""
-        return [self._project_cross(layer, encoder_out) for layer in self.layers]
-
-    def _project_cross(self, layer: nn.Module, encoder_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (encoder_out.shape[0], -1, self.heads, self.head_dim)
-        a = layer.encoder_attn
-        return (a.k_proj(encoder_out).view(shape).transpose(1, 2).contiguous(),
-                a.v_proj(encoder_out).view(shape).transpose(1, 2).contiguous())
-
     def kept(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-attention keys and values as this decoder keeps them (`cross_kv` of __init__): fp16 copies where
+        """Cross-attention keys and values as this decoder keeps them (__init__'s cross_kv): fp16 copies where
         asked and in range, else the fp32 ones."""
         if self.cross_dtype == torch.float16:
             k16, v16 = k.half(), v.half()
@@ -116,7 +129,10 @@ class LeanWhisperDecoder:
         cross = cache.cross_attention_cache
         if cache.is_updated.get(i):
             return cross.layers[i].keys, cross.layers[i].values
-        k, v = self.kept(*self._project_cross(layer, encoder_out))
+        shape = (encoder_out.shape[0], -1, self.heads, self.head_dim)
+        a = layer.encoder_attn
+        k, v = self.kept(a.k_proj(encoder_out).view(shape).transpose(1, 2).contiguous(),
+                         a.v_proj(encoder_out).view(shape).transpose(1, 2).contiguous())
         cache.is_updated[i] = True
         return cross.update(k, v, i)
 

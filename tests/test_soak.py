@@ -82,6 +82,17 @@ def _settled_threads(pid: int, baseline: int | None, settle_s: float = 5.0) -> i
     return least
 
 
+def _thread_names(pid: int) -> list[str]:
+    """The server's threads by name (for a failure's message)."""
+    names = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            names.append(open(f"/proc/{pid}/task/{task}/comm").read().strip())
+        except OSError:
+            pass
+    return sorted(names)
+
+
 def sample(server: AppServer, after: str, baseline: Sample | None = None) -> Sample:
     status = _status(server.proc.pid)
     exports = server.temp / "gradio" / page.EXPORT_DIR.name
@@ -145,9 +156,11 @@ def test_many_runs_in_a_row_hold_memory_threads_and_temp_files_bounded(server, m
     # Threads and open files (mostly the loopback connections of sessions just gone, which close a moment
     # later) fill early on; after the first half of the runs they may only jitter, not grow with the runs.
     earlier, later = samples[: len(samples) // 2], samples[len(samples) // 2:]
-    for what, jitter in (("threads", 0), ("open_files", 2)):
-        assert max(getattr(s, what) for s in later) <= max(getattr(s, what) for s in earlier) + jitter, \
-            (what, [getattr(s, what) for s in samples])
+    assert max(s.open_files for s in later) <= max(s.open_files for s in earlier) + 2, [s.open_files for s in samples]
+    # A leaked thread stays through every later read; a slow exit shows at one sample (full local suites twice read
+    # 11 against 10 at one late sample, 5 s after a run, and never alone): the last five samples' least is compared.
+    threads = [s.threads for s in samples]
+    assert min(threads[-5:]) <= max(s.threads for s in earlier), (threads, _thread_names(server.proc.pid))
     assert max(s.exports for s in samples) <= page.EXPORTS_KEPT, [s.exports for s in samples]
     assert end.temp_files <= base.temp_files, [s.temp_files for s in samples]  # no copy of any export is kept
     check_server_survived(server)

@@ -274,7 +274,11 @@ def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
         calls.append(("target", m))
         time.sleep(0.002 + per_token[0] * m)
 
-    steps = (target, lambda: calls.append(("draft",)), lambda: calls.append(("plain",)))
+    def plain() -> None:  # a one-token forward and a draw
+        calls.append(("plain",))
+        time.sleep(0.002 + per_token[0])
+
+    steps = (target, lambda: calls.append(("draft",)), plain)
     first = CostModel()
     calibrate(first, {"target": "t"}, 1, *steps)
     assert {c[1] for c in calls if c[0] == "target"} == set(CALIBRATION_TOKENS)
@@ -285,8 +289,9 @@ def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
     n = len(calls)
     again = CostModel()
     calibrate(again, {"target": "t"}, 1, *steps)
-    spot = calls[n:]  # read from the file after a spot check of its shape: one token against CHECK_TOKENS
-    assert {c[1] for c in spot} == {1, CHECK_TOKENS} and again.calibrated_from_cache
+    spot = calls[n:]  # read from the file after a spot check of its shape: CHECK_TOKENS and a plain step against one
+    assert {c[1] for c in spot if c[0] == "target"} == {1, CHECK_TOKENS} and ("plain",) in spot
+    assert ("draft",) not in spot and again.calibrated_from_cache
     assert sorted(again.target) == sorted(first.target)
     per_token[0] = 0.006  # the machine now prices several tokens far above what the file says: measured again
     n = len(calls)
@@ -294,6 +299,11 @@ def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
     calibrate(changed, {"target": "t"}, 1, *steps)
     assert {c[1] for c in calls[n:] if c[0] == "target"} == set(CALIBRATION_TOKENS) and not changed.calibrated_from_cache
     assert changed.curve[(1, CHECK_TOKENS)] / changed.curve[(1, 1)] > 2 * again.curve[(1, CHECK_TOKENS)] / again.curve[(1, 1)]
+    n = len(calls)
+    slow_plain = (target, lambda: calls.append(("draft",)), lambda: (calls.append(("plain",)), time.sleep(0.03)))
+    stale = CostModel()  # a plain step now far above its cached share of a one-token forward: measured again
+    calibrate(stale, {"target": "t"}, 1, *slow_plain)
+    assert {c[1] for c in calls[n:] if c[0] == "target"} == set(CALIBRATION_TOKENS) and not stale.calibrated_from_cache
     n = len(calls)
     other_batch = CostModel()
     calibrate(other_batch, {"target": "t"}, 2, *steps)  # another batch size is another curve

@@ -21,7 +21,7 @@ CALIBRATION_REPEATS = 3  # rounds of timed calls (every point once a round), aft
 CALIBRATION_VERSION = 4  # bump when what a calibration measures changes: older cached curves are ignored (v2:
 # the plain step timed apart from the one-token forward; one noisy spell priced it at 1.5× that forward for good;
 # v4: every point in each round)
-CHECK_TOKENS = 4  # a cached curve's shape is checked here against one token (_shape_holds)
+CHECK_TOKENS = 4  # a cached curve's shape is checked here and at a plain step, against one token (_shape_holds)
 CHECK_TOLERANCE = 0.25
 MAX_GAMMA = CALIBRATION_TOKENS[-1] - 1  # beyond the calibrated curve a γ would be priced by extrapolation
 
@@ -33,19 +33,6 @@ def _cache_path(identity: dict) -> Path:
     key = json.dumps({**identity, "machine": describe_machine(), "kernels": source_digest(),
                       "version": CALIBRATION_VERSION}, sort_keys=True)  # new kernels: new prices
     return cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-
-
-def _alternating(first: Callable[[], None], second: Callable[[], None], repeats: int) -> tuple[list[float], list[float]]:
-    """Both calls timed `repeats` times each, in turns, after one warm-up of each."""
-    first()
-    second()
-    a, b = [], []
-    for _ in range(repeats):
-        for call, out in ((first, a), (second, b)):
-            t0 = time.perf_counter()
-            call()
-            out.append(time.perf_counter() - t0)
-    return a, b
 
 
 def _read_cached(path: Path) -> dict | None:
@@ -73,13 +60,16 @@ def _rounds(calls: dict[object, Callable[[], None]], repeats: int) -> dict[objec
     return {key: statistics.median(v) for key, v in samples.items()}
 
 
-def _shape_holds(cached: CostModel, batch: int, target_step: Step) -> bool:
-    """Whether this machine still prices CHECK_TOKENS tokens against one as the cached curve does (within
-    CHECK_TOLERANCE): a curve written while the host was busy, or before a change of its clocks, is measured
-    again rather than steering every later run."""
-    one, more = _alternating(lambda: target_step(1), lambda: target_step(CHECK_TOKENS), CALIBRATION_REPEATS)
-    expected = cached.curve[(batch, CHECK_TOKENS)] / cached.curve[(batch, 1)]
-    return abs(statistics.median(more) / statistics.median(one) / expected - 1) <= CHECK_TOLERANCE
+def _shape_holds(cached: CostModel, batch: int, target_step: Step, plain_step: Callable[[], None]) -> bool:
+    """Whether this machine still prices CHECK_TOKENS tokens, and a plain step, against one token as the cached
+    curve does (each within CHECK_TOLERANCE): a curve written while the host was busy, or before a change of its
+    clocks, is measured again rather than steering every later run (a cached plain step at 1.23× a one-token
+    forward, where the two cost the same, overpriced target-only and so every prediction of a Whisper run by ~20%)."""
+    timed = _rounds({1: lambda: target_step(1), "plain": plain_step, CHECK_TOKENS: lambda: target_step(CHECK_TOKENS)},
+                    CALIBRATION_REPEATS)
+    one = cached.curve[(batch, 1)]
+    expected = {CHECK_TOKENS: cached.curve[(batch, CHECK_TOKENS)] / one, "plain": cached.curve_plain[batch] / one}
+    return all(abs(timed[key] / timed[1] / ratio - 1) <= CHECK_TOLERANCE for key, ratio in expected.items())
 
 
 def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, draft_step: Callable[[], None] | None,
@@ -92,7 +82,7 @@ def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, d
     cached = _read_cached(path)
     model = CostModel.from_dict(cached) if cached is not None else None
     if model is not None and not ((batch, 1) in model.curve and (batch, CHECK_TOKENS) in model.curve
-                                  and _shape_holds(model, batch, target_step)):
+                                  and batch in model.curve_plain and _shape_holds(model, batch, target_step, plain_step)):
         model = None
     if model is None:
         # every point in each round (see _rounds); the plain step beside the one-token forward it is priced against

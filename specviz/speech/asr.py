@@ -233,15 +233,16 @@ class WhisperDecoder(SlottedDecoder):
         layer computes its own on the window's first call)."""
         self.model, self.prompt_len, self.head = model, prompt_len, head
         self.encoder_out = encoder_out  # [B, frames, d_model]: shared with the other decoder, read-only
-        self.cross = cross  # read once, by _new_cache
+        self.cross = cross  # taken by the first _new_cache: the cache then holds them (and its row selections)
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=model.device)
         self.begin_suppress = torch.tensor(begin_suppress, dtype=torch.long, device=model.device)
         super().__init__(encoder_out.shape[0], model.device)
 
     def _new_cache(self) -> EncoderDecoderCache:
         # self-attention grows every step: written in place (models.kv_cache); cross-attention once per window
-        cross = DynamicCache()
-        for i, (k, v) in enumerate(self.cross or ()):
+        cross, given = DynamicCache(), self.cross
+        self.cross = None  # not kept beside the cache: once rows leave, these full-batch tensors would linger
+        for i, (k, v) in enumerate(given or ()):
             cross.update(k, v, i)
         return EncoderDecoderCache(BufferedCache(), cross)  # marks the layers given as computed (is_updated)
 

@@ -544,6 +544,30 @@ def test_prediction_and_its_sentence_on_a_run(tiny_pair, prompt_ids):
     assert histogram and sum(histogram[0].y) == len(drafting)
 
 
+def test_prediction_sets_the_run_against_a_measured_reference(tiny_pair, prompt_ids):
+    """Where target-only was measured (compare's reference, the page's meta["target_only"]), the prediction sets
+    the run's priced iterations against that speed, not the cost table's plain price; malformed figures fall
+    back to the table."""
+    from specviz.figures import report
+    from specviz.traces.prediction import predict
+
+    cfg = SpecConfig(mode="exact", gamma_policy="constant", gamma_init=3, max_new_tokens=30)
+    trace = decode(tiny_pair, [prompt_ids], cfg)
+    priced = predict(trace)
+    assert priced.plain_from == "costs"
+    rate = 1.0 / priced.plain_s  # tokens/s of a target-only run whose steps cost what the table says
+    for given in (2 * rate, 0.5 * rate):
+        p = predict(trace, given)
+        assert p.plain_from == "reference" and p.plain_s == pytest.approx(1 / given)
+        assert p.speedup == pytest.approx(priced.speedup * rate / given, rel=1e-9)  # only the target-only side moves
+    trace.meta["target_only"] = {"decode_tokens_per_s": 2 * rate}  # the page's record of its reference
+    assert predict(trace).speedup == pytest.approx(priced.speedup / 2, rel=1e-9)
+    assert "measured by target-only" in report.prediction_markdown(trace)
+    for bad in (0.0, -1.0, float("nan"), True, "fast", None):
+        trace.meta["target_only"] = {"decode_tokens_per_s": bad}
+        assert predict(trace).plain_from == "costs" and predict(trace).speedup == pytest.approx(priced.speedup)
+
+
 def test_traces_without_a_cost_table_predict_nothing(tiny_pair, prompt_ids):
     from specviz.figures import report
     from specviz.traces.prediction import predict

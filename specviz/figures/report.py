@@ -89,10 +89,11 @@ def prediction_markdown(trace: Trace) -> str:
         return ""
     ms = {k: 1e3 * v for k, v in p.split_s.items()}
     rows = f" (batch of {p.batch})" if p.batch > 1 else ""
+    priced = "measured by target-only" if p.plain_from == "reference" else "priced from the run's cost table"
     return (f"**Predicted: {p.speedup:.2f}×** from this run's measured call costs and α by draft position (a "
             f"prediction, beside the measurement above) · a drafting iteration{rows} at γ = {p.gamma}, medians: draft "
             f"{ms['draft']:.0f} ms + target {ms['target']:.0f} ms + verify {ms['verify']:.1f} ms + other "
-            f"{ms['other']:.1f} ms, against {1e3 * p.plain_s:.0f} ms per target-only step · tokens per "
+            f"{ms['other']:.1f} ms, against {1e3 * p.plain_s:.0f} ms per target-only step ({priced}) · tokens per "
             f"iteration: {p.measured_tokens_per_iteration:.2f} kept, {p.tokens_per_iteration:.2f} predicted  \n"
             f"{html.escape(sentence(p))}")
 

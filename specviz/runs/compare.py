@@ -84,7 +84,7 @@ def _row(name: str, runs: list[Trace], references: list[Trace]) -> Row:
         output_text=trace.output_text,
         tokens_per_s_runs=[t.tokens_per_s for t in runs],
         decode_tokens_per_s=trace.decode_tokens_per_s,
-        predicted_speedup=p.speedup if (p := predict(trace)) is not None else None,
+        predicted_speedup=p.speedup if (p := predict(trace, reference.decode_tokens_per_s)) is not None else None,
     )
 
 

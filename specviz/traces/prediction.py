@@ -31,6 +31,9 @@ class Prediction:
     plain_share: float  # share of iterations that were plain target steps (γ = 0)
     batch: int
     lookup_share: float = 0.0  # share of drafting iterations that prompt lookup alone drafted (no draft step)
+    # where plain_s comes from: "reference" (a target-only run on the same input and settings: its decoding time
+    # per step) or "costs" (the run's cost table: its own plain steps, else the calibration's price)
+    plain_from: str = "costs"
 
     @property
     def verdict(self) -> str:
@@ -48,7 +51,21 @@ def _others(trace: Trace) -> list[float]:
     return out
 
 
-def predict(trace: Trace) -> Prediction | None:
+def _reference_rate(trace: Trace, target_only_tokens_per_s: float | None) -> float | None:
+    """Target-only's measured decoding speed (tokens/s over all sequences): the argument, else the reference the
+    trace records (meta["target_only"], the page's); None where neither is known."""
+    rate = target_only_tokens_per_s
+    if rate is None and trace.target_only:
+        rate = trace.target_only.get("decode_tokens_per_s")
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0 else None
+
+
+def predict(trace: Trace, target_only_tokens_per_s: float | None = None) -> Prediction | None:
+    """The speedup the run's measured call costs and α by draft position predict. The target-only side is a
+    measured reference's decoding speed where one exists (target_only_tokens_per_s, or the trace's
+    meta["target_only"]): a plain step's price from the calibration moved ±15–20% with the host's load (docs/
+    history.md, the speech predictions), while a reference measures exactly what the prediction is set against.
+    Without one, plain steps are priced from the cost table."""
     costs = trace.costs
     drafting = [s for s in trace.steps if s.gamma > 0]
     alphas = trace.alpha_by_position()
@@ -62,6 +79,7 @@ def predict(trace: Trace) -> Prediction | None:
     by_step: dict[int, list[Decision]] = {}
     for d in trace.decisions():
         by_step.setdefault(d.step, []).append(d)
+    reference = _reference_rate(trace, target_only_tokens_per_s)
     spec_s = target_only_s = predicted_tokens = 0.0
     for step in trace.steps:
         batch = len(step.sequences)
@@ -73,7 +91,7 @@ def predict(trace: Trace) -> Prediction | None:
             if catches_up:
                 spec_s += catch_up_s(costs.draft_s(batch), costs.target_curve(batch, CALIBRATION_TOKENS[-1]),
                                      tokens / batch)
-        target_only_s += tokens * costs.plain_s(batch) / batch
+        target_only_s += tokens * (1 / reference if reference else costs.plain_s(batch) / batch)
         if step.gamma > 0:
             predicted_tokens += tokens / batch
     drafted = trace.drafted()
@@ -85,14 +103,14 @@ def predict(trace: Trace) -> Prediction | None:
              "target": statistics.median(s.target_s for s in drafting),
              "verify": statistics.median(s.verify_s for s in drafting),
              "other": statistics.median(others) if others else 0.0}
-    plain = costs.plain_s(batch)
+    plain = batch / reference if reference else costs.plain_s(batch)
     return Prediction(
         speedup=target_only_s / spec_s if spec_s else 0.0,
         tokens_per_iteration=predicted_tokens / len(drafting),
         measured_tokens_per_iteration=measured,
         alphas=alphas, gamma=gamma,
         scored_ratio=costs.target_s(batch, gamma + 1) / costs.target_s(batch, 1),
-        split_s=split, plain_s=plain,
+        split_s=split, plain_s=plain, plain_from="reference" if reference else "costs",
         iteration_steps=sum(split.values()) / plain if plain else 0.0,
         break_even=break_even_alpha(costs, batch, gamma),
         plain_share=1 - len(drafting) / len(trace.steps),

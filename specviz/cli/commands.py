@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specviz.cli import bench as cli_bench, common, evaluate as cli_eval
-from specviz import machine
+from specviz import machine, memory
 from specviz.speech.audio import AudioError
 from specviz.evaluation.on_ray import RayUnavailable
 from specviz.runs.compare import compare, hf_assisted_runs, noise, source_runner
@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    memory.reuse_freed_memory()
     try:
         return args.func(args)
     except (InputError, AudioError, ModelLoadError, InvalidLogitsError, TraceFormatError, ValueError, OSError,

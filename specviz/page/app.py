@@ -17,6 +17,7 @@ import gradio as gr
 from specviz.page import handlers, actions as page, sessions, shelf
 from specviz.runs import settings
 from specviz.page.handlers import COMPARE_COLUMNS, COMPARE_WIDTHS, VIEW, Server
+from specviz import memory
 from specviz.models.loading import cache_dir
 from specviz.text.prompts import ASSETS, sample_article
 from specviz.figures.token_view import TOKEN_CSS
@@ -411,6 +412,7 @@ def main() -> None:
                         help="load the default text pair in the background at start (default: on a Space, or with "
                              "SPECVIZ_PREPARE=1), so the first Run does not wait for a cold cache")
     args = parser.parse_args()
+    memory.reuse_freed_memory()
     limits = sessions.SHARED_LIMITS if shared_by_strangers(args.host) else sessions.VisitorLimits()
     models = sessions.ModelCache(access=_model_access(args.host, args.models_dir))
     if prepares_at_start(args.prepare, os.environ):

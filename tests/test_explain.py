@@ -196,3 +196,28 @@ def test_bonus_exactly_when_every_draft_was_accepted(sampled_trace):
     decision["next_kind"] = "bonus"
     with pytest.raises(TraceFormatError, match="bonus exactly when"):
         loads_trace(json.dumps(data))
+
+
+def test_top_k_through_chunk_maxima_equals_torch_topk():
+    """The why-panel's top-k over wide rows (explain._topk: only the chunks whose maxima lead are searched) gives
+    torch.topk's values in its order, and ids that hold them, on random rows, rows with ties, one-hot rows and
+    sparse residuals, at the target's and the reduced draft head's widths."""
+    from specviz.decoding.explain import _topk
+
+    g = torch.Generator().manual_seed(0)
+    for V in (151936, 32768):
+        random_rows = torch.randn(6, V, generator=g).softmax(-1)
+        tied = torch.randint(0, 4, (3, V), generator=g).float()  # many equal values
+        one_hot = torch.zeros(2, V)
+        one_hot[0, 5], one_hot[1, V - 1] = 1.0, 1.0
+        sparse = torch.zeros(2, V)
+        sparse[:, torch.randperm(V, generator=g)[:7]] = torch.rand(2, 7, generator=g)
+        for rows in (random_rows, tied, one_hot, sparse):
+            for k in (1, 5, 20):
+                values, ids = _topk(rows, k)
+                want = rows.topk(k, dim=-1)
+                assert torch.equal(values, want.values)
+                assert torch.equal(rows.gather(-1, ids), values)
+                assert all(len(set(r)) == k for r in ids.tolist())  # k distinct tokens a row
+                if rows is random_rows:
+                    assert torch.equal(ids, want.indices)

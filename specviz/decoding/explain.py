@@ -100,7 +100,8 @@ def examine(
     drafted = (q_of_drawn >= 0).nonzero()[:, 0]
     if len(drafted):
         residual[drafted] -= lenience * q_used.index_select(0, q_of_drawn[drafted])
-    fallback = p.index_select(0, at) if not use_sigmoid else _normalized(p_used.index_select(0, at), p.index_select(0, at))
+    p_drawn = p.index_select(0, at)  # [B, V]
+    fallback = _normalized(p_used.index_select(0, at), p_drawn) if use_sigmoid else p_drawn
     drawn = _normalized(residual.clamp_(min=0), fallback)
 
     p_top, q_top = top_tokens(p, top, decode), top_tokens(q, top, decode)

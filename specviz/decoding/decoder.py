@@ -45,6 +45,11 @@ class SlottedDecoder:
     def _new_cache(self):
         raise NotImplementedError
 
+    def _new_prompt_cache(self):
+        """The cache one prompt is read into alone, whose per-layer keys and values are then stored and merged
+        (a decoder-only cache with `layers`); the decoder's own kind unless a subclass says otherwise."""
+        return self._new_cache()
+
     def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, keep: int,
              cache, rows: list[int]) -> torch.Tensor:
         """input_ids, position_ids [b, W]; attention_mask [b, L+W] bool over the cache and the new tokens (a
@@ -138,7 +143,7 @@ class SlottedDecoder:
         if self.prompt_cache is not None and (layers := self.prompt_cache.get(key)) is not None:
             self.prompts_reused += 1
             return layers
-        cache = self._new_cache()
+        cache = self._new_prompt_cache()
         if isinstance(cache, BufferedCache):
             cache.reserve(len(prompt), headroom=0)  # the stored entry holds exactly the prompt, contiguous
         ids = torch.tensor([prompt], device=self.device)

@@ -30,7 +30,7 @@ from torch import nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from specviz.models import cpu_kernels, gguf_model, hub, lean
+from specviz.models import cpu_kernels, gguf_model, graphed, hub, lean
 from specviz.cache import CACHE_ENV, cache_dir, disk_full, remove_dead_work, seal, trusted, work_dir  # noqa: F401 (cache_dir re-exported: tests and the CLI use it here)
 from specviz.memory import release_freed_memory
 from specviz.models.errors import ModelLoadError
@@ -294,6 +294,8 @@ def load_model(
     if model.dtype != dtype:  # a GGUF model is built in fp32 (its dequantized values are exact there)
         model.to(dtype)
     model.to(device).eval()
+    if device.type == "cuda":
+        graphed.attach(model)  # steps as CUDA graphs over static buffers where it applies (models/graphed.py)
     release_freed_memory()  # the row-major blocks and dequantized pieces a build freed go back to the OS
     return model, tokenizer, label
 

@@ -8,6 +8,7 @@ from specviz.config import SpecConfig
 from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.drafts import SubsetHead, draft_head_size, special_ids, subset_head
 from specviz.machine import device_name
+from specviz.models.graphed import StaticCache
 from specviz.models.kv_cache import BufferedCache
 from specviz.models.loading import ModelPair
 from specviz.models.prompt_cache import PromptCache
@@ -24,12 +25,20 @@ class CausalLMDecoder(SlottedDecoder):
         self.model, self.vocab, self.head = model, vocab, head
         # the lean forward is attached only to packed models on the batch-invariant attention
         self.reads_in_pieces = getattr(model, "lean_forward", None) is not None
+        self._max_batch = batch  # rows a static cache holds: a shared prefill's rows are copied up to this
         super().__init__(batch, model.device, prompt_cache)
 
     def _new_cache(self) -> BufferedCache:
-        return BufferedCache()
+        graphed = getattr(self.model, "graphed_forward", None)  # set by models.graphed.attach on CUDA
+        return BufferedCache() if graphed is None else StaticCache(graphed, self._max_batch)
+
+    def _new_prompt_cache(self) -> BufferedCache:
+        return BufferedCache()  # a prompt's entry is stored for reuse: exactly its own slots, not a workspace
 
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
+        graphed = getattr(self.model, "graphed_forward", None)
+        if graphed is not None:
+            return graphed.logits(input_ids, attention_mask, position_ids, keep, cache, self.head, self.vocab)
         lean = getattr(self.model, "lean_forward", None)  # set by models.lean.attach where it applies
         if lean is not None:
             if self.head is None:

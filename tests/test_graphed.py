@@ -1,0 +1,232 @@
+"""Steps over static buffers (specviz/models/graphed.py) against transformers' forward on tiny models: the same
+logits up to rounding through prefill, ragged feeds, rollback, row selection, the prompt merge, the prompt cache
+and growth past the headroom; workspaces reused from one decoder to the next. On a GPU (marker `gpu`): a graph's
+replay gives the eager forward's bits, and graphs are captured once per shape and reused by the next decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specviz.models import graphed
+from specviz.models.prompt_cache import PromptCache
+from specviz.text.source import CausalLMDecoder
+
+from conftest import VOCAB, tiny_qwen
+
+TOL = dict(rtol=1e-4, atol=1e-4)  # fp32: a fused projection and another attention kernel, same arithmetic
+
+
+def _tokens(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, VOCAB - 1, (n,), generator=g).tolist()
+
+
+def _models(device: str = "cpu", dtype=torch.float32, mode: str = "eager"):
+    """(reference, static) tiny Qwen2 models with the same weights: transformers' forward, and this module's."""
+    ref = tiny_qwen(5).to(device, dtype)
+    ref.set_attn_implementation("sdpa")
+    static = tiny_qwen(5).to(device, dtype)
+    graphed.attach(static, mode)
+    assert static.graphed_forward is not None
+    return ref, static
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol=TOL) -> None:
+    assert a.shape == b.shape
+    assert torch.allclose(a.float(), b.float(), **tol), (a.float() - b.float()).abs().max()
+
+
+def _same_state(new: CausalLMDecoder, old: CausalLMDecoder, tol=TOL) -> None:
+    assert torch.equal(new.valid, old.valid) and new.slots == old.slots
+    assert new.cache.get_seq_length() == old.cache.get_seq_length() == new.valid.shape[1]
+    w, L, B = new.cache.workspace, new.valid.shape[1], new.batch
+    for i, layer in enumerate(old.cache.layers):
+        # holes may differ (the static forward also writes padding slots' keys), valid slots may not
+        mask = new.valid[:, None, :, None]
+        _close(w.keys[i][:B, :, :L] * mask, layer.keys * mask, tol)
+        _close(w.values[i][:B, :, :L] * mask, layer.values * mask, tol)
+
+
+@torch.inference_mode()
+def _drive(new: CausalLMDecoder, old: CausalLMDecoder, prompts: list[list[int]], seed: int, steps: int = 10,
+           tol=TOL) -> None:
+    """The same prefill, ragged feeds, rollbacks and a row selection on both; logits must agree."""
+    g = torch.Generator().manual_seed(seed)
+    new.prefill(prompts)
+    old.prefill(prompts)
+    _same_state(new, old, tol)
+    for step in range(steps):
+        feeds = [_tokens(g, int(torch.randint(0, 6, (1,), generator=g))) for _ in range(new.batch)]
+        if not any(feeds):
+            feeds[0] = [5]
+        keep = max(len(f) for f in feeds)
+        a, b = new.forward(feeds, keep), old.forward(feeds, keep)
+        for r, f in enumerate(feeds):  # padding columns' logits are never read
+            if f:
+                _close(a[r, keep - len(f):], b[r, keep - len(f):], tol)
+        fed = [new.fed(r) - int(torch.randint(0, len(f) + 1, (1,), generator=g)) for r, f in enumerate(feeds)]
+        new.rollback(fed)
+        old.rollback(fed)
+        _same_state(new, old, tol)
+        if step == 4 and new.batch > 1:  # the first row leaves, the last one is copied
+            rows = list(range(1, new.batch)) + [new.batch - 1]
+            new.select(rows)
+            old.select(rows)
+            _same_state(new, old, tol)
+
+
+def test_supports_qwen_and_refuses_other_layers():
+    model = tiny_qwen(1)
+    assert graphed.supports(model)
+    model.model.layers[0].mlp.up_proj = torch.nn.Identity()
+    assert not graphed.supports(model)
+    assert graphed.attach(model, "eager").graphed_forward is None
+    assert graphed.attach(tiny_qwen(1), "transformers").graphed_forward is None
+
+
+def test_bad_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("SPECVIZ_GPU_STEPS", "fast")
+    with pytest.raises(ValueError, match="SPECVIZ_GPU_STEPS"):
+        graphed.gpu_steps()
+
+
+def test_fused_projections_keep_the_modules_weights_as_views():
+    model = tiny_qwen(2)
+    before = [p.clone() for p in model.parameters()]
+    graphed.attach(model, "eager")
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    layer, fused = model.model.layers[0], model.graphed_forward.layers[0]
+    assert layer.self_attn.q_proj.weight.data_ptr() == fused.qkv_weight.data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() > fused.gate_up_weight.data_ptr()
+
+
+def test_one_row_matches_transformers():
+    ref, static = _models()
+    g = torch.Generator().manual_seed(1)
+    _drive(CausalLMDecoder(static, VOCAB, 1), CausalLMDecoder(ref, VOCAB, 1), [_tokens(g, 17)], seed=2)
+
+
+def test_ragged_batch_and_prompt_merge_match_transformers():
+    ref, static = _models()
+    g = torch.Generator().manual_seed(3)
+    prompts = [_tokens(g, n) for n in (12, 5, 21)]
+    _drive(CausalLMDecoder(static, VOCAB, 3), CausalLMDecoder(ref, VOCAB, 3), prompts, seed=4)
+
+
+def test_prompt_cache_and_shared_prefill_match_transformers():
+    """Identical prompts share one prefill (rows copied up to the batch); the second round reads the prompts
+    from the prompt cache, whose entries are exactly each prompt's slots."""
+    ref, static = _models()
+    g = torch.Generator().manual_seed(5)
+    a, b = _tokens(g, 9), _tokens(g, 14)
+    new_prompts, old_prompts = PromptCache(), PromptCache()
+    for _ in range(2):
+        _drive(CausalLMDecoder(static, VOCAB, 3, prompt_cache=new_prompts),
+               CausalLMDecoder(ref, VOCAB, 3, prompt_cache=old_prompts), [a, b, a], seed=6, steps=6)
+    assert new_prompts.hits == old_prompts.hits == 2
+    for keys, _ in new_prompts.get(tuple(a)):
+        assert keys.shape[-2] == len(a)
+    # N samples of one prompt: one prefill, copied into every row
+    _drive(CausalLMDecoder(static, VOCAB, 4), CausalLMDecoder(ref, VOCAB, 4), [a] * 4, seed=7, steps=4)
+
+
+def test_growth_past_the_headroom(monkeypatch):
+    """A run that outlasts its workspace moves to one of twice the capacity; nothing changes in the logits."""
+    monkeypatch.setattr(graphed, "HEADROOM", 4)
+    monkeypatch.setattr(graphed, "ALIGN", 8)
+    ref, static = _models()
+    g = torch.Generator().manual_seed(7)
+    new = CausalLMDecoder(static, VOCAB, 2)
+    _drive(new, CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 3), _tokens(g, 8)], seed=8, steps=12)
+    assert new.cache.workspace.capacity > graphed.capacity_for(8)
+
+
+@torch.inference_mode()
+def test_workspaces_are_reused_and_cleared():
+    """A decoder's workspace goes back to the pool when its cache is dropped and the next decoder of the same
+    shape gets it (so graphs captured over it are reused), zeroed: a NaN a previous run left in a masked slot
+    must not reach the next run's logits (0 · NaN through the mask)."""
+    ref, static = _models()
+    forward = static.graphed_forward
+    g = torch.Generator().manual_seed(9)
+    prompt = _tokens(g, 10)
+    first = CausalLMDecoder(static, VOCAB, 1)
+    first.prefill([prompt])
+    first.forward([[3, 4]], 2)
+    workspace = first.cache.workspace
+    for t in workspace.keys:
+        t[:, :, -1] = float("nan")  # a slot the next run masks
+    del first
+    second = CausalLMDecoder(static, VOCAB, 1)
+    second.prefill([prompt])
+    assert second.cache.workspace is workspace
+    old = CausalLMDecoder(ref, VOCAB, 1)
+    old.prefill([prompt])
+    _close(second.forward([[3, 4]], 2), old.forward([[3, 4]], 2))
+    other = CausalLMDecoder(static, VOCAB, 1)  # a second live decoder gets a workspace of its own
+    other.prefill([prompt])
+    assert other.cache.workspace is not workspace
+
+
+def test_decoding_through_static_steps_matches_transformers(tiny_pair, prompt_ids):
+    """The driver end to end, greedy, on the pair with static steps: the same tokens as transformers' forward."""
+    from dataclasses import replace
+
+    from specviz.config import SpecConfig
+    from conftest import decode
+
+    cfg = SpecConfig(max_new_tokens=24, gamma_policy="constant", gamma_init=4)
+    want = decode(tiny_pair, [prompt_ids], cfg)
+    target = tiny_qwen(0)
+    draft = type(target)(target.config).float().eval()
+    draft.load_state_dict(tiny_pair.draft.state_dict())
+    graphed.attach(target, "eager")
+    graphed.attach(draft, "eager")
+    pair = replace(tiny_pair, draft=draft, target=target)
+    got = decode(pair, [prompt_ids], cfg)
+    assert [s.output_ids for s in got.sequences] == [s.output_ids for s in want.sequences]
+    assert len(want.sequences[0].output_ids) == 24
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------------------
+
+def _cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.mark.gpu
+def test_graph_replays_give_the_eager_bits_on_gpu():
+    """bf16 on the GPU: decoding through graphs gives exactly the eager static forward's logits (same kernels,
+    same shapes) through ragged feeds, rollbacks and a row selection, and transformers' up to bf16 rounding."""
+    _cuda()
+    g = torch.Generator().manual_seed(11)
+    prompts = [_tokens(g, n) for n in (12, 5, 21)]
+    _, eager = _models("cuda", torch.bfloat16, "eager")
+    _, replayed = _models("cuda", torch.bfloat16, "graphs")
+    _drive(CausalLMDecoder(replayed, VOCAB, 3), CausalLMDecoder(eager, VOCAB, 3), prompts, seed=12,
+           tol=dict(rtol=0, atol=0))
+    ref, _ = _models("cuda", torch.bfloat16)
+    _drive(CausalLMDecoder(replayed, VOCAB, 3), CausalLMDecoder(ref, VOCAB, 3), prompts, seed=12,
+           tol=dict(rtol=3e-2, atol=3e-2))
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_graphs_are_captured_once_per_shape_on_gpu():
+    _cuda()
+    _, static = _models("cuda", torch.bfloat16, "graphs")
+    g = torch.Generator().manual_seed(13)
+    prompt = _tokens(g, 30)
+    for run in range(2):
+        d = CausalLMDecoder(static, VOCAB, 1)
+        d.prefill([prompt])
+        for _ in range(3):
+            d.forward([[1]], 1)
+            d.forward([[1, 2, 3]], 3)
+        workspace = d.cache.workspace
+        assert set(workspace.graphs) == {(1, 1, 1, id(static.lm_head)), (1, 3, 3, id(static.lm_head))}
+        first = workspace.graphs if run == 0 else first
+        assert workspace.graphs is first  # the second decoder replays the first one's graphs
+        del d

@@ -230,3 +230,20 @@ def test_graphs_are_captured_once_per_shape_on_gpu():
         first = workspace.graphs if run == 0 else first
         assert workspace.graphs is first  # the second decoder replays the first one's graphs
         del d
+
+
+def test_gpu_steps_prediction_and_the_bundled_alphas():
+    """The GPU bench's prediction is Leviathan's expected speedup with measured costs (here: a free draft and a
+    flat scoring curve give E[tokens] at the largest γ), and it reads α of every bundled article at both
+    temperatures from docs/results."""
+    from pathlib import Path
+
+    from specviz.bench import gpu_steps
+    from specviz.theory import expected_tokens
+
+    speedup, gamma = gpu_steps.predicted_speedup(0.8, 0.0, {1: 1.0, 16: 1.0}, 0.0)
+    assert gamma == 15 and speedup == pytest.approx(expected_tokens(0.8, 15))
+    speedup, gamma = gpu_steps.predicted_speedup(0.8, 0.9, {1: 1.0, 2: 1.1, 4: 1.3, 16: 2.5}, 0.1)
+    assert gamma == 1 and speedup == pytest.approx(1.8 / (0.9 + 1.1 + 0.1))  # t(2) measured, no interpolation
+    alphas = gpu_steps.bundled_alphas(Path(__file__).resolve().parents[1] / "docs" / "results")
+    assert len(alphas) == 6 and all(0.3 < a < 1.0 for a in alphas.values())

@@ -4,6 +4,8 @@
 #   bash kernels/cuda/gpu_session.sh bench     bench-verify over V × γ × B × dtype (and with top-p)
 #   bash kernels/cuda/gpu_session.sh sanitize  compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small cases
 #   bash kernels/cuda/gpu_session.sh e2e       end to end: random-weight models of the embedded pair's shapes
+#   bash kernels/cuda/gpu_session.sh steps     issue 40: graphed steps (tests, per-step costs of the embedded shapes
+#                                              and a 7B-class target, verification as one graph, compare end to end)
 # Outputs go to $OUT (the device tool's folder) or ./gpu-out. Wheels the GPU image lacks (gguf, soundfile,
 # transformers at our pin) travel in .whl/; the Qwen tokenizer and the pair's configs in .gpu/.
 set -uo pipefail
@@ -22,6 +24,25 @@ versions() {
 'cuda', torch.version.cuda, '| cupy', cupy.__version__, '| transformers', transformers.__version__, '|', \
 torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
   nvcc --version | tail -2
+}
+
+make_models() {  # random-weight HF directories of the embedded pair's shapes, with the Qwen tokenizer
+  [ -f /tmp/models/target/config.json ] && return 0
+  gunzip -c .gpu/tok/tokenizer.json.gz > /tmp/tokenizer.json
+  python3 - <<'EOF'
+import json, shutil, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+for seed, role in ((1, "draft"), (0, "target")):
+    cfg = Qwen2Config.from_dict(json.load(open(f".gpu/config-{role}.json")))
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(f"/tmp/models/{role}")
+    shutil.copy("/tmp/tokenizer.json", f"/tmp/models/{role}/tokenizer.json")
+    for f in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f".gpu/tok/{f}", f"/tmp/models/{role}/{f}")
+    print(role, sum(p.numel() for p in model.parameters()) / 1e9, "G parameters")
+EOF
 }
 
 case "${1:-tests}" in
@@ -66,19 +87,7 @@ EOF
   ;;
 e2e)
   versions 2>&1 | tee "$out/versions.txt"
-  python3 - <<'EOF'
-import json, shutil, torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-for seed, role in ((1, "draft"), (0, "target")):
-    cfg = Qwen2Config.from_dict(json.load(open(f".gpu/config-{role}.json")))
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(f"/tmp/models/{role}")
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f".gpu/tok/{f}", f"/tmp/models/{role}/{f}")
-    print(role, sum(p.numel() for p in model.parameters()) / 1e9, "G parameters")
-EOF
+  make_models
   # Sampled (the kernels verify sampled runs): the kernels (auto) and the torch path, same models and seed.
   for backend in auto torch; do
     timeout 200 python3 -m specviz compare --target /tmp/models/target --draft /tmp/models/draft --device cuda \
@@ -86,5 +95,25 @@ EOF
       --verify-backend $backend --json "$out/e2e-$backend.json" 2>&1 | grep -v "it/s\]\|run/s" | tail -12 \
       | tee -a "$out/e2e.txt"
   done
+  ;;
+steps)
+  # Everything lands in $out/steps/ and is packed into $out/steps.tgz after each part (a call returns at most
+  # 8 files); parts run in order of what the issue's goals need, each under its own timeout.
+  o="$out/steps"; mkdir -p "$o"
+  pack() { tar czf "$out/steps.tgz" -C "$o" . ; }
+  versions 2>&1 | tee "$o/versions.txt"
+  timeout 120 python3 -m pytest tests/test_graphed.py -q -rs -m gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$o/gpu-tests-graphed.log"; pack
+  timeout 240 python3 -m specviz.bench.gpu_steps --reps 30 --json "$o/gpu-steps.json" \
+    --configs draft=.gpu/config-draft.json target=.gpu/config-target.json target7b=.gpu/config-target7b.json \
+    2>&1 | grep -v Warning | tee "$o/gpu-steps.txt"; pack
+  timeout 100 python3 kernels/cuda/graph_check.py --json "$o/verify-graph.json" 2>&1 | tail -30 | tee "$o/verify-graph.txt"; pack
+  make_models 2>&1 | tee "$o/models.txt"
+  for steps in graphs transformers; do
+    SPECVIZ_GPU_STEPS=$steps timeout 150 python3 -m specviz compare --target /tmp/models/target --draft /tmp/models/draft \
+      --device cuda --draft-kind model --gamma-policy constant --gamma 5 --temperature 0.8 --max-new-tokens 96 \
+      --repeat 2 --modes exact --json "$o/e2e-$steps.json" 2>&1 | grep -v "it/s\]\|run/s" | tail -14 | tee -a "$o/e2e.txt"
+    pack
+  done
+  timeout 150 python3 -m pytest tests/test_kernels.py -q -rs -m gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$o/gpu-tests-kernels.log"; pack
   ;;
 esac

@@ -1,0 +1,191 @@
+"""What a decoding step costs on a GPU (project issue 40), through the product's own decoder and its step paths:
+transformers' forward, the static forward eagerly, and its CUDA graphs (specviz/models/graphed.py).
+
+Models are random weights of given configs (the real weights do not travel to a GPU machine): per-step costs
+say nothing about α but everything about where an iteration's time goes. Per model and path: one row (and B
+rows) scoring W new tokens after a prompt of `context` tokens, each call followed by a rollback so the context
+stays put; median of `reps` calls after warm-up, host wall time (synchronized) and GPU time (CUDA events).
+Beside them: verification at the same shapes, a BASS iteration at B = 8, and the speedup Leviathan's model
+predicts from these costs at the α measured on the CPU for the bundled articles (a prediction, labelled so).
+
+    python -m specviz.bench.gpu_steps --configs draft=CFG.json target=CFG.json target7b=CFG.json --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specviz.models import graphed
+from specviz.text.source import CausalLMDecoder
+from specviz.theory import expected_tokens
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+
+
+def random_model(config: dict, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """A causal LM of this config with random weights, on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**config)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def time_step(model: torch.nn.Module, batch: int, width: int, context: int, reps: int, warmup: int = 5
+              ) -> dict[str, float]:
+    """Median ms of one decoder forward of `width` new tokens in each of `batch` rows after `context` tokens."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+    decoder = CausalLMDecoder(model, vocab, batch)
+    decoder.prefill([prompt] * batch)
+    feed = [torch.randint(0, vocab, (width,), generator=g).tolist()] * batch
+    host, gpu = [], []
+    for i in range(warmup + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        decoder.forward(feed, width)
+        end.record()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        decoder.rollback([context] * batch)
+        if i >= warmup:
+            host.append(wall * 1e3)
+            gpu.append(start.elapsed_time(end))
+    return {"ms": statistics.median(host), "gpu_ms": statistics.median(gpu)}
+
+
+@torch.inference_mode()
+def time_verify(batch: int, gamma: int, vocab: int, dtype: torch.dtype, reps: int = 200) -> dict[str, float]:
+    """Median ms of one exact verification (T = 0.8) at these shapes, through specviz.verify as the engine calls it."""
+    from specviz.config import SamplingConfig
+    from specviz.verify import verify
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tl = (2 * torch.randn(batch, gamma + 1, vocab, generator=g, device="cuda")).to(dtype)
+    dl = (tl[:, :gamma].float() + torch.randn(batch, gamma, vocab, generator=g, device="cuda")).to(dtype)
+    tokens = torch.randint(0, vocab, (batch, gamma), generator=g, device="cuda")
+    sampling = SamplingConfig(temperature=0.8)
+    out = []
+    for i in range(20 + reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        verify("exact", tokens, dl, tl, sampling, g).host()
+        if i >= 20:
+            out.append((time.perf_counter() - t0) * 1e3)
+    return {"ms": statistics.median(out)}
+
+
+def predicted_speedup(alpha: float, draft_ms: float, score_ms: dict[int, float], verify_ms: float,
+                      max_gamma: int = 15) -> tuple[float, int]:
+    """Leviathan's expected speedup with measured costs: max over γ of E[tokens]·t(1) / (γ·t_draft + t(γ+1) + t_verify),
+    t(W) the target's cost of scoring W tokens (interpolated between measured widths)."""
+    widths = sorted(score_ms)
+
+    def t(w: int) -> float:
+        lo = max(x for x in widths if x <= w)
+        hi = min((x for x in widths if x >= w), default=lo)
+        return score_ms[lo] if hi == lo else score_ms[lo] + (score_ms[hi] - score_ms[lo]) * (w - lo) / (hi - lo)
+
+    best = max(range(1, max_gamma + 1),
+               key=lambda gm: expected_tokens(alpha, gm) * t(1) / (gm * draft_ms + t(gm + 1) + verify_ms))
+    return expected_tokens(alpha, best) * t(1) / (best * draft_ms + t(best + 1) + verify_ms), best
+
+
+def bundled_alphas(results: Path) -> dict[str, float]:
+    """α of the exact run per bundled article and temperature, as measured on the CPU (docs/results)."""
+    out = {}
+    for f in sorted(glob.glob(str(results / "compare-text-cpu-wide-*.json"))):
+        name = Path(f).stem.removeprefix("compare-text-cpu-wide-")
+        out[name] = json.loads(Path(f).read_text())["runs"]["exact"]["alpha"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", required=True, help="NAME=config.json (names: draft, target, target7b)")
+    p.add_argument("--context", type=int, default=800)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--modes", nargs="+", default=["graphs", "eager", "transformers"], choices=graphed.MODES)
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16
+    out: dict = {"machine": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bf16",
+                 "context": args.context, "command": "python -m specviz.bench.gpu_steps " + " ".join(argv or sys.argv[1:]),
+                 "steps": {}, "errors": {}}
+
+    def save() -> None:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+    costs: dict[str, dict] = {}
+    for seed, item in enumerate(args.configs):
+        name, path = item.split("=", 1)
+        try:
+            model = random_model(json.loads(Path(path).read_text()), dtype, seed)
+        except Exception as e:  # noqa: BLE001 (a model that does not fit is recorded, the rest still measured)
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+            continue
+        costs[name] = {}
+        for mode in args.modes if name != "target7b" else ["graphs", "transformers"]:
+            graphed.attach(model, mode)
+            rows = {}
+            for batch, widths in ((1, WIDTHS), (8, (1, 5))):
+                for w in widths:
+                    if mode == "transformers" and w not in (1, 5, 6):
+                        continue
+                    try:
+                        rows[f"B{batch}W{w}"] = time_step(model, batch, w, args.context, args.reps)
+                    except Exception as e:  # noqa: BLE001
+                        out["errors"][f"{name}/{mode}/B{batch}W{w}"] = f"{type(e).__name__}: {e}"
+            costs[name][mode] = rows
+            out["steps"] = costs
+            save()
+            print(name, mode, {k: round(v["ms"], 3) for k, v in rows.items()}, flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+    vocab = 151936
+    out["verify"] = {f"B{b}G{g}": time_verify(b, g, vocab, dtype) for b, g in ((1, 5), (8, 4))}
+    g_ = costs.get("target", {}).get("graphs", {})
+    d_ = costs.get("draft", {}).get("graphs", {})
+    t7 = costs.get("target7b", {}).get("graphs", {})
+    goals = {}
+    if g_ and d_:
+        goals["draft_over_target"] = d_["B1W1"]["ms"] / g_["B1W1"]["ms"]
+        goals["six_over_one"] = g_["B1W6"]["ms"] / g_["B1W1"]["ms"]
+        goals["bass8_iteration_over_target_only"] = (
+            4 * d_["B8W1"]["ms"] + g_["B8W5"]["ms"] + out["verify"]["B8G4"]["ms"]) / g_["B8W1"]["ms"]
+    alphas = bundled_alphas(Path(__file__).resolve().parents[2] / "docs" / "results")
+    out["alphas_cpu"] = alphas
+    for label, target in (("", g_), ("_7b", t7)):
+        if not (target and d_):
+            continue
+        if label:
+            goals["draft_over_target_7b"] = d_["B1W1"]["ms"] / target["B1W1"]["ms"]
+        scores = {int(k.split("W")[1]): v["ms"] for k, v in target.items() if k.startswith("B1W")}
+        preds = {a: predicted_speedup(alpha, d_["B1W1"]["ms"], scores, out["verify"]["B1G5"]["ms"])
+                 for a, alpha in alphas.items()}
+        out["predicted" + label] = {a: {"speedup": s, "gamma": gm} for a, (s, gm) in preds.items()}
+        if preds:
+            goals["predicted_speedup" + label] = statistics.median(s for s, _ in preds.values())
+    out["goals"] = goals
+    save()
+    print(json.dumps(goals, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

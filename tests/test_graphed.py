@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specviz.models import graphed
+from specviz.models import fused, graphed
 from specviz.models.prompt_cache import PromptCache
 from specviz.text.source import CausalLMDecoder
 
@@ -189,6 +189,43 @@ def test_decoding_through_static_steps_matches_transformers(tiny_pair, prompt_id
     assert len(want.sequences[0].output_ids) == 24
 
 
+def _fused_checks() -> None:
+    """Run by test_fused_kernels_under_the_interpreter in a process where Triton interprets kernels on the CPU."""
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):  # odd shapes: hidden 96, intermediate 80, 6 heads over 2
+        assert fused._self_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
+    ref, static = _models()
+    static.graphed_forward.ops = fused.Ops(True)
+    g = torch.Generator().manual_seed(21)
+    _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 9), _tokens(g, 4)],
+           seed=22, steps=5)
+    right = fused.silu_mul_triton
+    fused.silu_mul_triton = lambda gu: right(gu) * 1.05  # a kernel that is off is caught
+    assert "silu_mul differs" in fused._self_check(cpu, torch.float32, 96, 80, 6, 2, 16, 1e-6)
+    print("fused checks passed")
+
+
+def test_fused_kernels_under_the_interpreter():
+    """The Triton kernels, interpreted on the CPU, against the torch operations they replace, and a whole step on
+    them against transformers' forward (fp32). In a subprocess: Triton must be imported with TRITON_INTERPRET set."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", "import test_graphed; test_graphed._fused_checks()"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "fused checks passed" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_cpu_steps_use_the_references():
+    assert not graphed.attach(tiny_qwen(1), "eager").graphed_forward.ops.fused
+
+
 # ---- on a GPU ---------------------------------------------------------------------------------------------
 
 def _cuda() -> None:
@@ -205,6 +242,7 @@ def test_graph_replays_give_the_eager_bits_on_gpu():
     prompts = [_tokens(g, n) for n in (12, 5, 21)]
     _, eager = _models("cuda", torch.bfloat16, "eager")
     _, replayed = _models("cuda", torch.bfloat16, "graphs")
+    assert replayed.graphed_forward.ops.fused, replayed.graphed_forward.ops.why  # Triton is on the GPU image
     _drive(CausalLMDecoder(replayed, VOCAB, 3), CausalLMDecoder(eager, VOCAB, 3), prompts, seed=12,
            tol=dict(rtol=0, atol=0))
     ref, _ = _models("cuda", torch.bfloat16)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from specviz.models import fused
 from specviz.models.kv_cache import BufferedCache
 
 _FAMILIES = ("qwen2", "llama")  # decoder layers of this shape: q/k/v/o, gate/up/down, two RMS norms
@@ -122,16 +123,6 @@ class _Layer:
                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # x [..., hidden]
-    # transformers' Qwen2RMSNorm: in fp32, back to the input's dtype, then the weight
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [B, heads, W, D]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class GraphedForward:
     """The forward of one supported model (`supports`), eager or replayed from CUDA graphs, and the pool of
     workspaces its decoders draw their key/value buffers from. Its weights are the model's own (q/k/v and
@@ -156,6 +147,8 @@ class GraphedForward:
         with torch.inference_mode():  # transformers' own rotary values, in the model's dtype as it applies them
             cos, sin = model.model.rotary_emb(self.embed[:1][None], positions[None])
         self.cos, self.sin = cos[0].clone(), sin[0].clone()  # [P, D]
+        self.ops = fused.choose(self.device, self.dtype, cfg.hidden_size, self.layers[0].intermediate, self.heads,
+                                self.kv_heads, self.head_dim, self.eps)
         self._free: list[Workspace] = []  # released workspaces, most recent last
         self._lock = threading.Lock()  # decoders of several page sessions acquire and release concurrently
 
@@ -170,6 +163,7 @@ class GraphedForward:
         C = keys[0].shape[2]
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         G = H // Hkv
+        ops = self.ops
         slots = start + torch.arange(W, device=ids.device)  # [W]
         causal = torch.arange(C, device=ids.device)[None, :] <= slots[:, None]  # [W, C]
         sees = valid[:, None, :] & causal[None]  # [B, W, C]
@@ -178,23 +172,19 @@ class GraphedForward:
         bias = torch.zeros((B, 1, G, W, C), dtype=self.dtype, device=ids.device)
         bias.masked_fill_(~sees[:, None, None], float("-inf"))
         bias = bias.view(B, 1, G * W, C)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
-        x = F.embedding(ids, self.embed)  # [B, W, hidden]
+        cos, sin = self.cos[positions].view(B * W, D), self.sin[positions].view(B * W, D)
+        x = F.embedding(ids, self.embed).view(B * W, -1)  # [B·W, hidden]: rows b·W + w
+        delta = None  # what the last block adds to x: added by the next norm, in the same kernel
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.norm1, layer.eps1)
-            q, k, v = F.linear(h, layer.qkv_weight, layer.qkv_bias).split(layer.widths, dim=-1)
-            q = _rotate(q.view(B, W, H, D).transpose(1, 2), cos, sin)  # [B, H, W, D]
-            k = _rotate(k.view(B, W, Hkv, D).transpose(1, 2), cos, sin)  # [B, Hkv, W, D]
-            keys[i].index_copy_(2, slots, k)
-            values[i].index_copy_(2, slots, v.view(B, W, Hkv, D).transpose(1, 2))
-            q = q.reshape(B, Hkv, G * W, D)
+            x, h = ops.add_rms_norm(x, delta, layer.norm1, layer.eps1)
+            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # [B·W, (H + 2·Hkv)·D]
+            q = ops.rope_store(qkv, cos, sin, start, W, H, Hkv, keys[i], values[i])  # [B, Hkv, G·W, D]
             attended = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=bias, scale=self.scaling)
-            attended = attended.view(B, H, W, D).transpose(1, 2).reshape(B, W, H * D)
-            x = x + layer.o_proj(attended)
-            h = _rms_norm(x, layer.norm2, layer.eps2)
-            gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).split(layer.intermediate, dim=-1)
-            x = x + layer.down_proj(F.silu(gate) * up)
-        return _rms_norm(x[:, -keep:], self.norm, self.eps)
+            attended = attended.view(B, Hkv, G, W, D).permute(0, 3, 1, 2, 4).reshape(B * W, H * D)
+            x, h = ops.add_rms_norm(x, layer.o_proj(attended), layer.norm2, layer.eps2)
+            delta = layer.down_proj(ops.silu_mul(F.linear(h, layer.gate_up_weight, layer.gate_up_bias)))
+        last = lambda t: t.view(B, W, -1)[:, -keep:].reshape(B * keep, -1)  # noqa: E731
+        return ops.add_rms_norm(last(x), last(delta), self.norm, self.eps)[1].view(B, keep, -1)
 
     # ---- a decoder's call ----------------------------------------------------------------------
     def logits(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, keep: int,

@@ -281,24 +281,24 @@ class Workspace:
         """One forward over rows [:B] of the buffers: ids, positions [B, W]; valid [B, L + W] -> logits [B, keep, V]."""
         B, W = ids.shape
         self.valid[:B, : valid.shape[1]] = valid  # columns past L + W are stale, and hidden by causality
-        keys, values = [k[:B] for k in self.keys], [v[:B] for v in self.values]
         if not f.graphs or W > MAX_GRAPH_WIDTH:
             start_t = torch.tensor([start], device=ids.device)
-            return head(f.hidden(ids, positions, start_t, self.valid[:B], keys, values, keep))
+            return head(f.hidden(ids, positions, start_t, self.valid[:B], [k[:B] for k in self.keys],
+                                 [v[:B] for v in self.values], keep))
         key = (B, W, keep, id(head))
         captured = self.graphs.get(key)
         packed = torch.cat([ids.reshape(-1), positions.reshape(-1), ids.new_full((1,), start)])
         if captured is None:
-            captured = self.graphs[key] = self._capture(f, packed, B, W, keep, head, keys, values)
+            captured = self.graphs[key] = self._capture(f, packed, B, W, keep, head)
         else:
             captured.inputs.copy_(packed)
             captured.graph.replay()
         return captured.out.clone()
 
-    def _capture(self, f: GraphedForward, packed: torch.Tensor, B: int, W: int, keep: int, head, keys, values
-                 ) -> _Captured:
+    def _capture(self, f: GraphedForward, packed: torch.Tensor, B: int, W: int, keep: int, head) -> _Captured:
         """Capture the step of this shape; the first run (on the capture's stream, before capturing) is the real
         call: it writes the same keys and values the replays will."""
+        keys, values = [k[:B] for k in self.keys], [v[:B] for v in self.values]
         inputs = packed.clone()
         ids, positions = inputs[: B * W].view(B, W), inputs[B * W: 2 * B * W].view(B, W)
         start = inputs[2 * B * W:]

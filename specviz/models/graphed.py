@@ -311,7 +311,8 @@ class Workspace:
         with torch.cuda.stream(stream):
             run()  # warm-up: cuBLAS picks and allocates its workspaces outside the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        # thread_local: another page session's thread may launch work while this one captures
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             out = run()
         torch.cuda.current_stream(f.device).wait_stream(stream)
         graph.replay()

@@ -31,7 +31,7 @@ from specviz.runs.compare import Row, compare, hf_assisted_runs, noise, source_r
 from specviz.config import MODES, REPLAY, SpecConfig
 from specviz.decoding.source import Source
 from specviz.figures.plots import (acceptance_figure, batch_figure, gamma_figure, theory_figure, timing_figure, verify_figure)
-from specviz.models.loading import Progress
+from specviz.models.loading import Progress, default_device
 from specviz.text.prompts import InputError, check_article_size
 from specviz.decoding.records import Iteration, Prefilling
 from specviz.runs.replay import Schedule, replaying, schedule
@@ -42,13 +42,38 @@ from specviz.runs.tasks import SUMMARIZE, TRANSCRIBE, Task
 from specviz.figures.token_view import token_html
 from specviz.traces.trace import Trace
 from specviz.verify import kernels_active
+from specviz.verify.cuda import use_kernels
 
-def device_summary() -> str:
-    if torch.cuda.is_available():
+def device_summary(device: str | None = None) -> str:
+    """Where the page's models run (`device`; None: CUDA when present) and which verification path they get."""
+    where = torch.device(device) if device is not None else default_device()
+    if where.type == "cuda":
         kernels = "CuPy kernels active" if kernels_active() else "torch path (CuPy kernels unavailable)"
-        return f"GPU: {torch.cuda.get_device_name(0)} · verification: {kernels}"
+        return f"GPU: {torch.cuda.get_device_name(where)} · verification: {kernels}"
     passes = "exact's full-vocabulary passes in C++" if native.available() else "torch path"
     return f"CPU ({torch.get_num_threads()} threads) · verification: {passes}"
+
+
+def verification(mode: str, cfg: SpecConfig, device: torch.device) -> dict[str, Any]:
+    """Which path verifies a run's iterations (trace meta "verification"), as verify_batch chooses it for rows that
+    drafted alike (a row that the draft-confidence stop ended early, beside longer ones, verifies on torch):
+    'cuda kernels' (exact and sigmoid, sampled, on CUDA: specviz.verify.use_kernels), 'torch + C++ passes' (exact,
+    sampled, on the CPU), 'torch', or for target-only and transformers' own runs 'none' and 'transformers'."""
+    kernels = kernels_active() if device.type == "cuda" else False
+    if mode not in MODES:
+        path = "none" if mode == "target-only" else "transformers"
+    elif mode == "baseline" or cfg.sampling.greedy:
+        path = "torch"
+    elif device.type == "cuda":
+        try:
+            path = "cuda kernels" if use_kernels(mode, cfg.sampling, torch.empty(0, device=device),
+                                                 cfg.verify_backend) else "torch"
+        except (RuntimeError, ValueError) as e:  # backend 'cuda' without the kernels: the run fails the same way
+            path = f"none ({e})"
+    else:
+        path = "torch + C++ passes" if mode == "exact" and cfg.verify_backend == "auto" and native.available() \
+            else "torch"
+    return {"path": path, "backend": cfg.verify_backend, "device": str(device), "cuda_kernels_active": kernels}
 
 
 @dataclass(frozen=True)
@@ -220,7 +245,8 @@ def stream_run(models: ModelCache, task: Task, source_input: str | None, setting
     if gamma_schedule:
         cfg = replaying(cfg, gamma_schedule)
     source = _source(models, task, source_input, settings, cfg, progress)
-    meta = {"input": task.shown(source_input), "page_settings": settings.to_dict()}
+    meta = {"input": task.shown(source_input), "page_settings": settings.to_dict(),
+            "verification": verification(cfg.mode, cfg, source.device)}
     return _streamed(source, cfg, meta, stop, with_reference=with_reference)
 
 
@@ -315,6 +341,7 @@ def _compare_modes(models: ModelCache, task: Task, source_input: str | None, set
         trace.meta.setdefault("page_settings", dataclasses.replace(
             settings, mode=trace.mode if trace.mode in MODES else settings.mode).to_dict())
         trace.meta.setdefault("input", task.shown(source_input))
+        trace.meta.setdefault("verification", verification(trace.mode, cfg, decoded.device))
     decoding = "greedy" if cfg.sampling.greedy else f"sampling at temperature {cfg.sampling.temperature:g}"
     note = report.compare_note(rounds, noise(rows), decoding) + f"  \nγ: {schedule_note}."
     drift = report.sigmoid_drift(traces)

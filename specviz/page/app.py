@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import gradio as gr
+import torch
 
-from specviz.page import handlers, actions as page, sessions, shelf
+from specviz.page import handlers, actions as page, sessions, shelf, zerogpu
 from specviz.runs import settings
 from specviz.page.handlers import COMPARE_COLUMNS, COMPARE_WIDTHS, VIEW, Server
 from specviz import memory
@@ -81,8 +82,9 @@ def control(name: str, **layout: Any) -> gr.Component:
     raise ValueError(f"{name} has no page control ({s.control})")
 
 
-def layout(limits: sessions.VisitorLimits = sessions.VisitorLimits()) -> dict[str, Any]:
-    """The page's components by name (each setting under its own name). Call inside gr.Blocks."""
+def layout(limits: sessions.VisitorLimits = sessions.VisitorLimits(), device: str | None = None) -> dict[str, Any]:
+    """The page's components by name (each setting under its own name); `device`: where the models run (None: CUDA
+    when present). Call inside gr.Blocks."""
     c: dict[str, Any] = {}
     # Per browser session, so nobody sees another user's trace; the states hold shelf tickets, the traces are on
     # the server's shelf (Gradio keeps a closed session's state for an hour).
@@ -92,7 +94,7 @@ def layout(limits: sessions.VisitorLimits = sessions.VisitorLimits()) -> dict[st
     c["task"] = gr.Radio([settings.TEXT, settings.SPEECH], value=settings.TEXT, visible=False, elem_id="task")
     gr.Markdown("# specviz · speculative decoding you can watch")
     gr.Markdown(INTRO, elem_id="intro")
-    gr.Markdown(page.device_summary(), elem_id="device-info")
+    gr.Markdown(page.device_summary(device), elem_id="device-info")
     if limits.shared:
         gr.Markdown(f"This page is shared: runs wait their turn in one queue (the progress shows your place and the "
                     f"expected wait), and each visitor's work is capped: a Run at {limits.max_new_tokens} tokens and "
@@ -306,19 +308,25 @@ API_DESCRIPTIONS = {
 
 def build(models: sessions.ModelCache, limits: sessions.VisitorLimits = sessions.VisitorLimits()) -> gr.Blocks:
     server = Server(models, sessions.Stops(), page.References(), shelf.default_shelf(), limits)
+    gpu = zerogpu.decorator(models.device)  # spaces.GPU on a ZeroGPU Space decoding on CUDA; else None
+
+    def decoding(name: str, handler: Callable) -> Callable:  # a handler that runs models, held on the GPU there
+        return zerogpu.on_gpu(partial(handler, server), name, gpu)
+
     # delete_cache: uploads (and exports, which the page prunes itself) older than a day are deleted hourly;
     # without it every file ever uploaded stays on disk until the server stops.
     with gr.Blocks(title="specviz: speculative decoding you can watch", delete_cache=(3600, 86400)) as demo:
-        c = layout(limits)
+        c = layout(limits, models.device)
         wire = Wiring(c)
         # api_name: the page's stable API for gradio_client (README, "The API"); what only the browser needs
         # (button states, the sample loaders, tab switches, replay) stays private.
         for button, name, handler, inputs, outputs in (
-                (c["run_button"], "run", partial(handlers.run, server), RUN_INPUTS, SHOWN),
-                (c["compare_button"], "compare", partial(handlers.compare, server), COMPARE_INPUTS, COMPARE_OUTPUTS),
-                (c["eval_button"], "evaluate", partial(handlers.evaluate, server), EVAL_INPUTS,
+                (c["run_button"], "run", decoding("run", handlers.run), RUN_INPUTS, SHOWN),
+                (c["compare_button"], "compare", decoding("compare", handlers.compare), COMPARE_INPUTS,
+                 COMPARE_OUTPUTS),
+                (c["eval_button"], "evaluate", decoding("evaluate", handlers.evaluate), EVAL_INPUTS,
                  [*EVAL_SHOWN, "eval_download"]),
-                (c["rerun_button"], "rerun", partial(handlers.rerun, server), ["trace"], SHOWN)):
+                (c["rerun_button"], "rerun", decoding("rerun", handlers.rerun), ["trace"], SHOWN)):
             busy = wire.connect(button.click, handlers.busy, [], ["status", *BUTTONS], queue=False, **PRIVATE)
             # progress on the status line only: Gradio's overlay (with its running timer) on every output kept the
             # browser redrawing ~20 components on the cores that decode, throughout a timed run
@@ -401,10 +409,24 @@ def _log_progress(what: str) -> Callable[[str, "float | None"], None]:
     return say
 
 
+def _device(name: str) -> str:
+    """--device checked at the start: a device torch names, and CUDA only where there is one."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name}: this machine has no CUDA device")
+    return name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Start the specviz page.")
     parser.add_argument("--host", default=os.environ.get("SPECVIZ_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("SPECVIZ_PORT", "7860")))
+    parser.add_argument("--device", default=os.environ.get("SPECVIZ_DEVICE") or None, type=_device,
+                        help="where the models run: cpu, cuda or cuda:N, as the CLI's --device (default: "
+                             "$SPECVIZ_DEVICE, else cuda when present)")
     parser.add_argument("--models-dir", action="append", default=None, metavar="DIR",
                         help="on a non-local address, local model paths are accepted only under these directories "
                              "(repeatable; default: the specviz model cache)")
@@ -414,7 +436,7 @@ def main() -> None:
     args = parser.parse_args()
     memory.reuse_freed_memory()
     limits = sessions.SHARED_LIMITS if shared_by_strangers(args.host) else sessions.VisitorLimits()
-    models = sessions.ModelCache(access=_model_access(args.host, args.models_dir))
+    models = sessions.ModelCache(access=_model_access(args.host, args.models_dir), device=args.device)
     if prepares_at_start(args.prepare, os.environ):
         models.prepare(_log_progress("preparing the default models"))
     demo = build(models, limits)

@@ -93,8 +93,11 @@ class ModelCache:
     WAIT_POLL_S = 0.5  # how often a session waiting on another's load repeats that load's progress
 
     def __init__(self, loader: Callable[..., Any] = load_pair, speech_loader: Callable[..., Any] | None = None,
-                 access: ModelAccess = ModelAccess()):
+                 access: ModelAccess = ModelAccess(), device: str | None = None):
         self._text_loader, self._speech_loader, self.access = loader, speech_loader, access
+        # where every pair loads: the page's --device, handed to the loaders; None leaves it to them (CUDA when present)
+        self.device = device
+        self._where = {} if device is None else {"device": device}
         self._pairs: dict[tuple, Any] = {}
         self._key_locks: dict[tuple, threading.Lock] = {}
         self._latest: dict[tuple, tuple[str, float | None]] = {}  # a load in flight: its last progress
@@ -103,7 +106,8 @@ class ModelCache:
     def text(self, draft: str, target: str, progress: Progress) -> ModelPair:
         self.access.check(draft, "draft")
         self.access.check(target, "target")
-        return self._get((TEXT, draft, target), lambda said: self._text_loader(draft, target, progress=said), progress)
+        return self._get((TEXT, draft, target),
+                         lambda said: self._text_loader(draft, target, progress=said, **self._where), progress)
 
     def speech(self, draft: str, target: str, progress: Progress):
         from specviz.speech.asr import load_speech_pair
@@ -111,8 +115,8 @@ class ModelCache:
         self.access.check(draft, "draft")
         self.access.check(target, "target")
         loader = self._speech_loader or load_speech_pair
-        return self._get((SPEECH, draft, target), lambda said: loader(target, draft, dtype="fp32", progress=said),
-                         progress)
+        return self._get((SPEECH, draft, target),
+                         lambda said: loader(target, draft, dtype="fp32", progress=said, **self._where), progress)
 
     def prepare(self, progress: Progress = lambda message, fraction: None) -> threading.Thread:
         """Start loading the default text pair in the background (a Space's start: its first visitor should not

@@ -61,6 +61,8 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import functools
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -670,30 +672,203 @@ def test_kernel_args():
     assert torch.equal(args.draft_logits, standardize(dl, wide)) and args.options == dict(scale=1.0, topk=0, top_p=1.0)
 
 
+def _fake_launched(draft_tokens: torch.Tensor, **extra) -> "kernels.Launched":
+    """A Launched of zero outputs (next_token 1) for draft_tokens [B, γ], as a fake launch returns it."""
+    B, gamma = draft_tokens.shape
+    outputs = dict(n_accepted=torch.zeros(B, dtype=torch.long), next_token=torch.ones(B, dtype=torch.long),
+                   **{k: torch.zeros(B, gamma) for k in ("accept_prob", "uniforms", "p_draft", "q_draft")})
+    return kernels.Launched(outputs, {k: v.tolist() for k, v in outputs.items()}, **extra)
+
+
 def test_verify_passes_the_filters_to_the_kernels(monkeypatch):
-    """verify's kernel path (entered directly: no GPU here) launches with kernel_args' options and builds its
-    result from the launch's readback."""
+    """verify's kernel path (entered directly: no GPU here) hands kernel_sampling's settings and the generator
+    to launch_sampled, which draws the uniforms itself (graphed where it can), and builds its result from the
+    readback; only top_k above MAX_TOPK goes through kernel_args (standardize, uniforms drawn there) and launch."""
     from specviz.verify.cuda import verify_kernels
 
     tokens, dl, tl, _, _ = _cpu_case(B=2, gamma=3, V=50, seed=8)
     seen = {}
 
-    def fake_launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, **kw):
-        seen.update(kw, mode=mode, draft_logits=draft_logits)
-        B, gamma = draft_tokens.shape
-        outputs = dict(n_accepted=torch.zeros(B, dtype=torch.long), next_token=torch.ones(B, dtype=torch.long),
-                       **{k: torch.zeros(B, gamma) for k in ("accept_prob", "uniforms", "p_draft", "q_draft")})
-        host = {k: v.tolist() for k, v in outputs.items()}
-        return kernels.Launched(outputs, host)
+    def fake_sampled(mode, draft_tokens, draft_logits, target_logits, generator, **kw):
+        seen.update(kw, via="launch_sampled", mode=mode, draft_logits=draft_logits, generator=generator)
+        return _fake_launched(draft_tokens)
 
+    def fake_launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, **kw):
+        seen.update(kw, via="launch", mode=mode, draft_logits=draft_logits, u=u)
+        return _fake_launched(draft_tokens)
+
+    monkeypatch.setattr(kernels, "launch_sampled", fake_sampled)
     monkeypatch.setattr(kernels, "launch", fake_launch)
     sampling = SamplingConfig(temperature=1.2, top_p=0.8)
-    res = verify_kernels("sigmoid", tokens, dl, tl, sampling, torch.Generator().manual_seed(0), 0.9, -3.0, 3.0)
+    gen = torch.Generator().manual_seed(0)
+    res = verify_kernels("sigmoid", tokens, dl, tl, sampling, gen, 0.9, -3.0, 3.0)
+    assert seen["via"] == "launch_sampled" and seen["generator"] is gen
     assert seen["mode"] == "sigmoid" and seen["draft_logits"] is dl
     assert (seen["topk"], seen["top_p"], seen["lenience"]) == (0, 0.8, 0.9)
     assert seen["scale"] == float(kernels.topk_scale(1.2))
     assert (seen["sigmoid_alpha"], seen["sigmoid_beta"]) == (-3.0, 3.0)
     assert res.host().next_token == [1, 1]
+
+    wide = SamplingConfig(temperature=1.0, top_k=kernels.MAX_TOPK + 1)
+    tokens, dl, tl, _, _ = _cpu_case(B=1, gamma=2, V=kernels.MAX_TOPK + 50, seed=9)
+    verify_kernels("exact", tokens, dl, tl, wide, torch.Generator().manual_seed(4), 1.0, -1e4, 1e4)
+    assert seen["via"] == "launch" and torch.equal(seen["draft_logits"], standardize(dl, wide))
+    assert torch.equal(seen["u"], torch.rand((1, 2), generator=torch.Generator().manual_seed(4)))
+    assert (seen["topk"], seen["top_p"], seen["scale"]) == (0, 1.0, 1.0)
+
+
+def test_graph_cache_keys_and_evicts_least_recently_used():
+    """One capture per (layout, instance); a hit captures nothing and counts as a use; beyond `capacity` the
+    least recently used graph goes, and a call with its key captures it anew."""
+    cache = kernels.GraphCache(capacity=3)
+    made = []
+
+    def capture(tag):
+        return lambda: made.append(tag) or tag
+
+    assert cache.get("L", 1, capture("a")) == "a"
+    assert cache.get("L", 1, capture("never")) == "a"
+    assert cache.get("L", 2, capture("b")) == "b"  # same layout, other addresses: another graph
+    assert cache.get("M", 1, capture("c")) == "c"  # same addresses, other layout: another graph
+    assert cache.get("L", 1, capture("never")) == "a"  # used again: now the most recent
+    assert cache.get("N", 1, capture("d")) == "d"  # evicts ("L", 2), the least recently used
+    assert cache.keys() == [("M", 1), ("L", 1), ("N", 1)]
+    assert cache.get("L", 2, capture("b2")) == "b2"
+    assert made == ["a", "b", "c", "d", "b2"] and len(cache.keys()) == 3
+    cache.clear()
+    assert cache.keys() == [] and cache.get("L", 1, capture("a2")) == "a2"
+
+
+def test_graph_cache_capture_budget():
+    """A layout whose addresses never recur captures `budget` graphs, then launches eagerly (None) without
+    capturing; hits earn captures back; other layouts keep their own budget; a capture that returns None
+    (not graphable) makes its layout eager for good."""
+    cache = kernels.GraphCache(capacity=16, budget=3, earn=0.5)
+    made = []
+
+    def capture(tag):
+        return lambda: made.append(tag) or tag
+
+    got = [cache.get("L", i, capture(i)) for i in range(10)]
+    assert got == [0, 1, 2] + [None] * 7 and made == [0, 1, 2]
+    assert cache.get("L", 1, capture("never")) == 1  # existing graphs still replay, earning 0.5
+    assert cache.get("L", 99, capture(99)) is None
+    assert cache.get("L", 2, capture("never")) == 2  # 1.0 earned: one more capture
+    assert cache.get("L", 99, capture(99)) == 99 and cache.get("L", 100, capture(100)) is None
+    assert cache.get("M", 0, capture("m")) == "m"  # another layout, its own budget
+    calls = []
+    assert cache.get("C", 0, lambda: calls.append(0)) is None
+    assert cache.get("C", 1, lambda: calls.append(1)) is None and calls == [0]
+    cache.clear()
+    assert cache.get("L", 5, capture(5)) == 5 and cache.get("C", 0, lambda: "c") == "c"
+
+
+def test_graph_cache_captures_once_across_threads():
+    cache = kernels.GraphCache(capacity=16)
+    made = []
+
+    def capture(i):
+        def make():
+            made.append(i % 3)
+            time.sleep(0.01)  # a slow capture, to let racing threads meet
+            return object()
+        return make
+
+    got = _race(12, lambda i: cache.get("L", i % 3, capture(i)))
+    assert sorted(made) == [0, 1, 2]
+    assert all(g is got[i % 3] for i, g in enumerate(got))
+
+
+def test_graph_key_separates_layout_from_addresses():
+    """graph_key: equal layouts for equal shapes, strides, dtypes, settings, mode, device and stream; the
+    instance is the generator and the three data pointers."""
+    key = kernels.graphs.graph_key
+    gen, other = torch.Generator(), torch.Generator()
+    a = _cpu_case(B=3, gamma=4, V=100, seed=1)
+    b = _cpu_case(B=3, gamma=4, V=100, seed=2)
+    settings = dict(scale=1.0, topk=0, top_p=1.0)
+    layout, instance = key("exact", *a[:3], gen, 7, settings)
+    assert instance == (id(gen), a[0].data_ptr(), a[1].data_ptr(), a[2].data_ptr())
+    assert key("exact", *b[:3], gen, 7, settings) == (layout, (id(gen), b[0].data_ptr(), b[1].data_ptr(),
+                                                                b[2].data_ptr()))
+    assert key("exact", *a[:3], other, 7, settings) == (layout, (id(other), *instance[1:]))
+    transposed = a[2].transpose(0, 1).contiguous().transpose(0, 1)
+    for changed in (key("sigmoid", *a[:3], gen, 7, settings), key("exact", *a[:3], gen, 8, settings),
+                    key("exact", *a[:3], gen, 7, dict(settings, top_p=0.9)),
+                    key("exact", a[0], a[1].half(), a[2].half(), gen, 7, settings),
+                    key("exact", a[0], a[1], transposed, gen, 7, settings),
+                    key("exact", *_cpu_case(B=3, gamma=4, V=101)[:3], gen, 7, settings)):
+        assert changed[0] != layout
+    assert len({layout, instance}) == 2  # both hashable: the cache's key
+
+
+def test_graphs_switch_routes_launch_sampled(monkeypatch):
+    """launch_sampled tries the graph when graphs are on (SPECVIZ_VERIFY_GRAPHS, set_graphs_enabled, or its
+    graphs_on argument) and falls back to eager draws (u, then u_res, from the generator) and `launch`."""
+    launcher = kernels.launcher
+    tokens, dl, tl, _, _ = _cpu_case(B=2, gamma=3, V=50, seed=5)
+    assert launcher._launch_graphed("exact", tokens, dl, tl, None, None, {}) is None  # CPU tensors: no graph
+    tried, launched = [], []
+    graphed = _fake_launched(tokens, graphed=True)
+    answer = {"graph": None}
+
+    def fake_graphed(mode, draft_tokens, draft_logits, target_logits, generator, events, settings):
+        tried.append(settings)
+        return answer["graph"]
+
+    def fake_launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, **kw):
+        launched.append((u, u_res))
+        return _fake_launched(draft_tokens)
+
+    monkeypatch.setattr(launcher, "_launch_graphed", fake_graphed)
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    monkeypatch.setattr(kernels.graphs, "_enabled", True)
+
+    def call(**kw):
+        return kernels.launch_sampled("exact", tokens, dl, tl, torch.Generator().manual_seed(3), scale=0.5, **kw)
+
+    done = call()  # graphs on, but none applies: eager, with the documented draws
+    ref = torch.Generator().manual_seed(3)
+    u, u_res = torch.rand((2, 3), generator=ref), torch.rand((2,), generator=ref)
+    assert tried == [dict(scale=0.5)] and len(launched) == 1
+    assert torch.equal(launched[0][0], u) and torch.equal(launched[0][1], u_res)
+    assert done.u_res is launched[0][1] and not done.graphed
+    answer["graph"] = graphed
+    assert call() is graphed and len(launched) == 1  # the graph drew; nothing eager
+    assert not call(graphs_on=False).graphed and len(tried) == 2 and len(launched) == 2
+    kernels.set_graphs_enabled(False)
+    assert not kernels.graphs_enabled()
+    assert not call().graphed and len(tried) == 2
+    assert call(graphs_on=True) is graphed and len(tried) == 3
+
+    code = ("from specviz.verify import project_kernels; k = project_kernels()\n"
+            "print(k.graphs_enabled(), k.graphs.ENV)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for value, expected in (("0", "False"), ("1", "True")):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(env, SPECVIZ_VERIFY_GRAPHS=value),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.stdout.split() == [expected, "SPECVIZ_VERIFY_GRAPHS"], proc.stdout + proc.stderr
+
+
+def test_graph_check_script_runs_without_a_gpu(tmp_path):
+    """kernels/cuda/graph_check.py parses its arguments, and where the kernels cannot run it still writes its
+    JSON (the error recorded) and exits 1 instead of crashing."""
+    script = REPO / "kernels" / "cuda" / "graph_check.py"
+    spec = importlib.util.spec_from_file_location("graph_check", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["--json", "out.json", "--iters", "5"])
+    assert (args.json, args.iters, args.vocab, args.gamma) == (Path("out.json"), 5, 151936, 5)
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "--json" in proc.stdout
+    if torch.cuda.is_available():
+        return
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(script), "--json", str(out)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert proc.returncode == 1 and "machine" in report["errors"] and report["machine"]["torch"] == torch.__version__
+    assert report["command"].endswith(f"--json {out}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1318,20 +1493,31 @@ def _stats_module():
     return st
 
 
-def _first_tokens_gpu(pair, n: int, seed: int, chunk_rows: int = 1 << 15) -> np.ndarray:
-    """verify_cuda on n copies of the pair (logits expanded, not copied), drafts drawn from q on the GPU."""
+def _first_tokens_gpu(pair, n: int, seed: int, chunk_rows: int = 1 << 15, graphed: bool = False) -> np.ndarray:
+    """verify_cuda on n copies of the pair (logits expanded, not copied), drafts drawn from q on the GPU.
+    graphed: launch_sampled's graph draws the uniforms instead (drafts copied into one buffer, so that every
+    full chunk replays one graph)."""
     dl, tl, scale = kernel_inputs(pair.sampling, pair.draft_logits.cuda(), pair.target_logits.cuda())
     gamma, V = dl.shape
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.softmax(standardize(pair.draft_logits.cuda(), pair.sampling), dim=-1)
     counts = torch.zeros(V, dtype=torch.long, device="cuda")
+    drafts = torch.empty((chunk_rows, gamma), dtype=torch.long, device="cuda") if graphed else None
     done = 0
     while done < n:
         b = min(chunk_rows, n - done)
         tokens = torch.stack([torch.multinomial(q[j], b, replacement=True, generator=g) for j in range(gamma)], dim=1)
-        u = torch.rand((b, gamma), generator=g, device="cuda")
-        u_res = torch.rand((b,), generator=g, device="cuda")
-        out = kernels.verify_cuda("exact", tokens, dl.expand(b, -1, -1), tl.expand(b, -1, -1), u, u_res, scale=scale)
+        if graphed:
+            tokens = drafts[:b].copy_(tokens)
+            launched = kernels.launch_sampled("exact", tokens, dl.expand(b, -1, -1), tl.expand(b, -1, -1), g,
+                                              scale=scale)
+            assert launched.graphed
+            out = launched.outputs
+        else:
+            u = torch.rand((b, gamma), generator=g, device="cuda")
+            u_res = torch.rand((b,), generator=g, device="cuda")
+            out = kernels.verify_cuda("exact", tokens, dl.expand(b, -1, -1), tl.expand(b, -1, -1), u, u_res,
+                                      scale=scale)
         first = torch.where(out["n_accepted"] >= 1, tokens[:, 0], out["next_token"])
         counts += torch.bincount(first, minlength=V)
         done += b
@@ -1339,12 +1525,15 @@ def _first_tokens_gpu(pair, n: int, seed: int, chunk_rows: int = 1 << 15) -> np.
 
 
 @pytest.mark.gpu
-def test_first_token_follows_target_on_gpu():
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_first_token_follows_target_on_gpu(graphed):
     """Leviathan et al. Thm 3.1 on the kernel: with drafts from q, the first emitted token follows p. Edge
     pairs of tests/test_verify_statistics.py plus its V = 151,936 pair (40 heavy tokens spread over the
     vocabulary, so chunk edges matter, and a tail bin), each at the N that detects TV ≥ 0.01 with power
-    0.99 at level 1e-3 / (number of pairs)."""
+    0.99 at level 1e-3 / (number of pairs). graphed: through launch_sampled's CUDA graphs, whose replays draw
+    the uniforms (a replay that reused them would fail the fit)."""
     _require_kernels()
+    kernels.launcher._graph_cache.clear()
     st = _stats_module()
     pairs = st.edge_pairs()
     large, heavy = st.large_pair(151936)
@@ -1353,12 +1542,13 @@ def test_first_token_follows_target_on_gpu():
     for i, pair in enumerate(pairs):
         p = st.probs_of(pair.target_logits[0], pair.sampling)
         n = st.samples_to_detect_tv(st.FULL_TV, st.support_dof(p), alpha, st.POWER)
-        failure = st.gof_failure(_first_tokens_gpu(pair, n, seed=500 + i), p, alpha)
+        failure = st.gof_failure(_first_tokens_gpu(pair, n, seed=500 + i, graphed=graphed), p, alpha)
         if failure:
             failures.append(f"{pair.label}: {failure}")
     p = st.probs_of(large.target_logits[0], large.sampling)
     n = st.samples_to_detect_tv(st.FULL_TV, heavy.size, alpha, st.POWER)
-    failure = st.gof_failure(*st.tail_binned(_first_tokens_gpu(large, n, seed=999), p, heavy), alpha)
+    failure = st.gof_failure(*st.tail_binned(_first_tokens_gpu(large, n, seed=999, graphed=graphed), p, heavy),
+                             alpha)
     if failure:
         failures.append(f"{large.label}: {failure}")
     assert not failures, "\n".join(failures)
@@ -1705,3 +1895,146 @@ def test_stress_producer_on_side_stream():
         for name in expected:
             assert torch.equal(on_main[name], expected[name]), (rep, name)
             assert torch.equal(on_side[name], expected[name]), (rep, name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: one CUDA graph per plan (kernels/cuda/graphs.py)
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def graph_cache():
+    """launch_sampled's graph cache, empty before and after the test (budgets too)."""
+    cache = kernels.launcher._graph_cache
+    cache.clear()
+    yield cache
+    cache.clear()
+
+
+def _graph_inputs(B: int, gamma: int, V: int, dtype: torch.dtype, seed: int):
+    """tokens [B, γ] drawn from the draft, draft logits [B, γ, V], target logits [B, γ+1, V] on the GPU."""
+    tl, dl, g = _gpu_logits(B, gamma, V, dtype, "dense", seed=seed)
+    tokens = torch.multinomial(torch.softmax(dl.float().reshape(-1, V), -1), 1, generator=g).reshape(B, gamma)
+    return tokens, dl, tl
+
+
+GRAPH_CASES = [  # (mode, B, γ, V, dtype, settings)
+    ("exact", 1, 5, 151936, torch.float32, {}),
+    ("exact", 8, 5, 151936, torch.bfloat16, {}),
+    ("sigmoid", 8, 5, 151936, torch.float32, dict(sigmoid_alpha=-8.0, sigmoid_beta=8.0)),
+    ("exact", 3, 2, 51865, torch.float16, dict(topk=50, top_p=0.9)),
+    ("sigmoid", 1, 3, 51865, torch.bfloat16, dict(sigmoid_alpha=-8.0, sigmoid_beta=8.0, top_p=0.8)),
+    ("exact", 2, 1, 7, torch.float32, dict(lenience=0.7)),
+]
+
+
+@pytest.mark.gpu
+def test_graphed_call_decides_as_the_eager_kernels(graph_cache):
+    """launch_sampled through its graph against `launch` with the uniforms the graph drew: every output
+    bitwise equal, and the host lists too, over several replays, which draw fresh uniforms each time; one
+    graph per plan; with graphs switched off nothing is captured."""
+    _require_kernels()
+    for i, (mode, B, gamma, V, dtype, settings) in enumerate(GRAPH_CASES):
+        tokens, dl, tl = _graph_inputs(B, gamma, V, dtype, seed=50 + i)
+        gen = torch.Generator(device="cuda").manual_seed(i)
+        previous = None
+        for rep in range(3):
+            done = kernels.launch_sampled(mode, tokens, dl, tl, gen, graphs_on=True, **settings)
+            assert done.graphed, (mode, B, gamma, V, dtype)
+            outputs = {k: v.clone() for k, v in done.outputs.items()}  # the graph's buffer: the next replay writes it
+            u, u_res = outputs["uniforms"], done.u_res.clone()
+            eager = kernels.launch(mode, tokens, dl, tl, u, u_res, **settings)
+            for name in outputs:
+                assert torch.equal(outputs[name], eager.outputs[name]), (mode, B, gamma, V, dtype, rep, name)
+            assert done.host == eager.host
+            assert previous is None or not torch.equal(u, previous), "a replay reused the previous uniforms"
+            previous = u
+    assert len(graph_cache.keys()) == len(GRAPH_CASES)
+    mode, B, gamma, V, dtype, settings = GRAPH_CASES[0]
+    tokens, dl, tl = _graph_inputs(B, gamma, V, dtype, seed=99)
+    before = kernels.graphs_enabled()
+    kernels.set_graphs_enabled(False)
+    try:
+        assert not kernels.launch_sampled(mode, tokens, dl, tl, None, **settings).graphed
+    finally:
+        kernels.set_graphs_enabled(before)
+    assert len(graph_cache.keys()) == len(GRAPH_CASES)
+
+
+@pytest.mark.gpu
+def test_graphed_uniforms_continue_the_generator(graph_cache):
+    """The graph draws what kernel_args would: u then u_res from the generator's state at the call, and
+    leaves the generator where those two eager draws would (the capture itself draws nothing)."""
+    _require_kernels()
+    B, gamma, V = 4, 5, 51865
+    tokens, dl, tl = _graph_inputs(B, gamma, V, torch.float32, seed=7)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for call in range(4):  # the first call captures, then replays
+        state = gen.get_state()
+        done = kernels.launch_sampled("exact", tokens, dl, tl, gen, graphs_on=True)
+        assert done.graphed
+        twin = torch.Generator(device="cuda")
+        twin.set_state(state)
+        u = torch.rand((B, gamma), generator=twin, device="cuda")
+        u_res = torch.rand((B,), generator=twin, device="cuda")
+        assert torch.equal(done.outputs["uniforms"], u) and torch.equal(done.u_res, u_res), call
+        assert torch.equal(gen.get_state(), twin.get_state()), call
+    assert len(graph_cache.keys()) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_invalid_logits_raise_on_gpu(graph_cache, dtype):
+    """Through the graph (captured, then replayed: the same tensors hit it), bad logits and drafted ids
+    raise naming the row; afterwards the graph's own state is clean and a valid call decides as eager."""
+    _require_kernels()
+    B, gamma, V = 3, 2, 51865
+    tokens, dl, tl = _graph_inputs(B, gamma, V, dtype, seed=1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    run = functools.partial(kernels.launch_sampled, "sigmoid", generator=gen, graphs_on=True, sigmoid_alpha=-8.0,
+                            sigmoid_beta=8.0)
+    bad_draft, bad_target, bad_tokens = dl.clone(), tl.clone(), tokens.clone()
+    bad_draft[1, 1, 40000] = float("nan")
+    bad_target[2, 0, V - 1] = float("inf")
+    bad_tokens[1, 0] = V
+    cases = [((tokens, bad_draft, tl), InvalidLogitsError, r"draft logits contain NaN at index \[1, 1\]"),
+             ((tokens, dl, bad_target), InvalidLogitsError, r"target logits contain \+inf at index \[2, 0\]"),
+             ((bad_tokens, dl, tl), ValueError, r"position \[1, 0\]")]
+    for n, (args, error, message) in enumerate(cases):
+        for _ in range(2):  # capture and replay, then a replay alone
+            with pytest.raises(error, match=message):
+                run(*args)
+        assert len(graph_cache.keys()) == n + 1
+    for _ in range(2):
+        done = run(tokens, dl, tl)
+        assert done.graphed
+        outputs, u_res = {k: v.clone() for k, v in done.outputs.items()}, done.u_res.clone()
+        eager = kernels.launch("sigmoid", tokens, dl, tl, outputs["uniforms"], u_res, sigmoid_alpha=-8.0,
+                               sigmoid_beta=8.0)
+        assert all(torch.equal(outputs[k], eager.outputs[k]) for k in outputs)
+
+
+@pytest.mark.gpu
+def test_graphed_verify_makes_exactly_one_sync(graph_cache):
+    """verify() on the graphed kernel path, after the call that captured: a replay and exactly one sync torch
+    can see (the wait for the pinned copy); host() reads nothing more; no new graph."""
+    _require_kernels()
+    from specviz.verify import verify
+
+    B, gamma, V = 1, 5, 151936
+    tokens, dl, tl = _graph_inputs(B, gamma, V, torch.float32, seed=3)
+    for sampling in (SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.8, top_k=40, top_p=0.9)):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        verify("exact", tokens, dl, tl, sampling, gen, backend="cuda")  # warm-up and capture: outside the count
+        graphs_before = graph_cache.keys()
+        out = {}
+
+        def kernel_call():
+            out["res"] = verify("exact", tokens, dl, tl, sampling, gen, backend="cuda")
+            out["host"] = out["res"].host()
+
+        seen = _syncs_seen(kernel_call)
+        assert len(seen) == 1, (sampling, seen)
+        assert graph_cache.keys() == graphs_before
+        assert out["host"].n_accepted == out["res"].n_accepted.tolist()
+        assert out["host"].uniforms == out["res"].uniforms.tolist()

@@ -10,6 +10,10 @@ The kernels are compiled at run time with CuPy's NVRTC and launched on torch's c
         # top-k / top-p inside the kernels, on raw logits (`standardize`'s semantics, see verify.cu):
         fields = kernels.verify_cuda("exact", ..., scale=kernels.topk_scale(T), topk=50, top_p=0.9)
 
+`launch_sampled` draws the uniforms itself (u then u_res, from the caller's generator) and, where it can,
+replays one CUDA graph per plan: draws, kernels and the readback's copy in one launch (`graphs`; switched
+off by SPECVIZ_VERIFY_GRAPHS=0 or `set_graphs_enabled(False)`). This is the path `specviz.verify` takes.
+
 `verify_cuda` decides exactly as `specviz.verify.tiled.verify_tiled` (same random numbers, same acceptance
 rule, same two-level residual scan) and returns the same keys. The caller draws the random numbers from its
 generator in tiled.py's order, `u = rand((B, γ))` then `u_res = rand((B,))`, and passes them in.
@@ -27,18 +31,20 @@ so that callers need no further sync; `check=False` makes the call fully asynchr
 
 Submodules, one idea each: `sources` (verify.cu's files, sizes and entry points), `build` (compiling,
 availability), `spec` (`LaunchSpec`: one call's launch without its data: layout, settings, their checks),
-`plan` (grids, buffer layout, argument lists; cached per `LaunchSpec`), `outputs` (the
-output bytes: views, host lists, errors), `launcher` (launching on torch's stream, the readback). They
-import each other relatively only: specviz loads this package (kernels/cuda/) by path as `specviz_kernels`
-(`specviz.verify.project_kernels`), never as `kernels`, the name of an unrelated PyPI package.
+`plan` (grids, buffer layout, argument lists; cached per `LaunchSpec`), `outputs` (the output bytes: views,
+host lists, errors), `launcher` (launching on torch's stream, the readback), `graphs` (one CUDA graph per
+plan: the cache, capture and replay). They import each other relatively only: specviz loads this package
+(kernels/cuda/) by path as `specviz_kernels` (`specviz.verify.project_kernels`), never as `kernels`, the
+name of an unrelated PyPI package.
 
 Importing this package needs neither CuPy nor a GPU: CuPy is imported inside the functions that use it.
-Its caches (compiled functions, plans, state buffers, stream handles) are guarded by locks: a page run and a
-compare can decode in two threads at once.
+Its caches (compiled functions, plans, state buffers, stream handles, graphs) are guarded by locks: a page
+run and a compare can decode in two threads at once.
 """
 
 from .build import available, compile_check, nvrtc_check, unavailable_reason
-from .launcher import Launched, launch, verify_cuda
+from .graphs import GraphCache, graphs_enabled, set_graphs_enabled
+from .launcher import Launched, launch, launch_sampled, verify_cuda
 from .outputs import host_lists, raise_for_errors
 from .plan import plan_chunks, sigmoid_inv_den, state_size, topk_scale, topp_value
 from .sources import ENTRY_POINTS, MAX_GAMMA, MAX_TOPK, THREADS, source_files
@@ -54,7 +60,11 @@ __all__ = [
     "MAX_GAMMA",
     "MAX_TOPK",
     "launch",
+    "launch_sampled",
     "Launched",
+    "GraphCache",
+    "graphs_enabled",
+    "set_graphs_enabled",
     "LaunchSpec",
     "sigmoid_inv_den",
     "topk_scale",

@@ -1,6 +1,8 @@
 """Launching a verification on the GPU (CuPy on torch's current stream) and reading its outputs back.
 
-Importing this module needs neither CuPy nor a GPU: CuPy is imported inside `launch`.
+`launch` takes the caller's uniforms and launches eagerly; `launch_sampled` draws them itself, which lets it
+replay one CUDA graph per plan instead (graphs.py). Importing this module needs neither CuPy nor a GPU: CuPy
+is imported inside the functions that launch.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import graphs
 from .build import _functions
 from .outputs import _views, host_lists, raise_for_errors
-from .plan import _prepare, state_size
+from .plan import _cached_plan, _prepare, state_size
 from .sources import THREADS
 from .spec import LaunchSpec
 
@@ -82,12 +85,22 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _launch_kernels(cupy, device_index: int, launches: list, stream: torch.cuda.Stream) -> None:
+    """Queue `_prepare`'s launches [(entry point, grid, args)] on a torch stream, through CuPy's handle on it."""
+    functions = _functions(device_index)
+    with cupy.cuda.Device(device_index), _cupy_stream(cupy, stream):
+        for name, grid, args in launches:
+            functions[name](grid, (THREADS, 1, 1), args)
+
+
 @dataclass
 class Launched:
     """One verification on the GPU: device views of the outputs, and their host copy when it was read back."""
 
-    outputs: dict  # verify_tiled's keys -> device tensors (views of the call's buffer)
+    outputs: dict  # verify_tiled's keys -> device tensors (views of the call's buffer, or of a graph's)
     host: dict | None  # the same keys -> Python lists ([B] or [B][γ]), from the one readback; None if check=False
+    u_res: torch.Tensor | None = None  # [B]: the residual uniforms `launch_sampled` drew (None from `launch`)
+    graphed: bool = False  # replayed a CUDA graph (launch_sampled)
 
 
 def launch(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
@@ -111,12 +124,9 @@ def launch(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, ta
         stream = torch.cuda.current_stream(device)
         state = _state(device, stream.cuda_stream, state_size(spec.batch, spec.gamma))
         prep = _prepare(spec, draft_tokens, draft_logits, target_logits, u, u_res, state)
-        functions = _functions(device.index)
         if events is not None:
             events[0].record(stream)
-        with cupy.cuda.Device(device.index), _cupy_stream(cupy, stream):
-            for name, grid, args in prep.launches:
-                functions[name](grid, (THREADS, 1, 1), args)
+        _launch_kernels(cupy, device.index, prep.launches, stream)
         if events is not None:
             events[1].record(stream)
         outputs = _views(prep.buffer, spec.batch, spec.gamma)
@@ -129,6 +139,79 @@ def launch(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, ta
     host = host_lists(pinned.numpy(), spec.batch, spec.gamma)
     raise_for_errors(host.pop("errors"), spec.vocab)
     return Launched(outputs, host)
+
+
+# Graphs of `launch_sampled`, by layout and addresses (graphs.GraphCache: LRU, capture budget per layout).
+_graph_cache: graphs.GraphCache[graphs.Graphed] = graphs.GraphCache(capacity=16)
+
+
+def launch_sampled(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                   generator: torch.Generator | None, *, graphs_on: bool | None = None, events: tuple | None = None,
+                   **settings: float | None) -> Launched:
+    """`launch` with check=True that draws its own uniforms from `generator` (None: the device's default):
+    u = rand((B, γ)) then u_res = rand((B,)), as `specviz.verify.kernel_args` does.
+
+    Where it can, one CUDA graph per plan does all of it (graphs.py): the draws, both kernels and the copy
+    into pinned memory, then the one sync. Its device outputs are the graph's buffer: valid until the next
+    call with the same tensors. Eager instead (the same draws, then `launch`) when graphs are off
+    (graphs_on=False, or None and `graphs.graphs_enabled()` False), the generator is not a CUDA one, the
+    logits need a cast or a contiguous copy, or the layout spent its capture budget (pointers that never
+    recur). draft_tokens LongTensor[B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V]; settings and
+    errors as `verify_cuda`'s. events: (start, end) CUDA events around the replay, or around the kernels.
+    """
+    if graphs.graphs_enabled() if graphs_on is None else graphs_on:
+        done = _launch_graphed(mode, draft_tokens, draft_logits, target_logits, generator, events, settings)
+        if done is not None:
+            return done
+    B, gamma = draft_tokens.shape
+    u = torch.rand((B, gamma), generator=generator, device=target_logits.device)
+    u_res = torch.rand((B,), generator=generator, device=target_logits.device)
+    done = launch(mode, draft_tokens, draft_logits, target_logits, u, u_res, events=events, **settings)
+    done.u_res = u_res
+    return done
+
+
+def _launch_graphed(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                    generator: torch.Generator | None, events: tuple | None, settings: dict) -> Launched | None:
+    """`launch_sampled` through its plan's graph (captured on the first call); None where no graph applies."""
+    if not target_logits.is_cuda or generator is not None and generator.device.type != "cuda":
+        return None
+    index = target_logits.get_device()
+    layout, instance = graphs.graph_key(mode, draft_tokens, draft_logits, target_logits, generator,
+                                        torch._C._cuda_getCurrentRawStream(index), settings)
+    graph = _graph_cache.get(layout, instance, lambda: _capture(mode, draft_tokens, draft_logits, target_logits,
+                                                                generator, settings))
+    if graph is None:
+        return None
+    host = graph.run(events)
+    raise_for_errors(host.pop("errors"), graph.spec.vocab)
+    return Launched(dict(graph.outputs), host, graph.u_res, True)
+
+
+def _capture(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+             generator: torch.Generator | None, settings: dict) -> graphs.Graphed | None:
+    """Warm the plan up eagerly and capture its graph; None when it should stay eager (the logits need a
+    cast or a contiguous copy: a graph would hold a private copy of them). Raises as `launch` does."""
+    import cupy
+
+    device = target_logits.device
+    B, gamma = draft_tokens.shape if draft_tokens.dim() == 2 else (1, 1)  # else LaunchSpec.of raises
+    u = torch.full((B, gamma), 0.5, device=device)  # warm-up uniforms: the generator is not drawn from
+    u_res = torch.full((B,), 0.5, device=device)
+    spec = LaunchSpec.of(mode, draft_tokens, draft_logits, target_logits, u, u_res, sms=_sm_count(device.index),
+                         **settings)
+    plan = _cached_plan(spec)
+    if plan.cast or plan.copy_target or plan.copy_draft:
+        return None
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        state = torch.zeros(plan.state_entries, dtype=torch.int32, device=device)
+        # eagerly once: `_prepare`'s checks (devices) raise here, and every entry point has run before capture
+        prep = _prepare(spec, draft_tokens, draft_logits, target_logits, u, u_res, state)
+        _launch_kernels(cupy, device.index, prep.launches, stream)
+        gen = generator if generator is not None else torch.cuda.default_generators[device.index]
+        return graphs.capture(spec, draft_tokens, draft_logits, target_logits, gen, state, stream,
+                              lambda launches, on: _launch_kernels(cupy, device.index, launches, on))
 
 
 def verify_cuda(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,

@@ -127,9 +127,25 @@ def kernel_args(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tenso
 def verify_kernels(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
                    sampling: SamplingConfig, generator: torch.Generator | None, lenience: float, alpha: float,
                    beta: float) -> VerifyResult:
-    """The kernel path (draft_tokens [B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V])."""
-    args = kernel_args(mode, draft_tokens, draft_logits, target_logits, sampling, generator)
-    done = project_kernels().launch(mode, draft_tokens, args.draft_logits, args.target_logits, args.u, args.u_res,
-                                    lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta, **args.options)
+    """The kernel path (draft_tokens [B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V]).
+
+    Without `standardize` the kernels draw through `launch_sampled`: one CUDA graph per plan (kernels/cuda/
+    graphs.py) that draws u then u_res from `generator` as `kernel_args` does. Graph-safe Philox reads the
+    generator's seed and offset at each replay and advances the offset by what the two draws consume, so the
+    uniforms are the ones `kernel_args` would draw from the same state (same Philox offsets); what differs is
+    only torch's work around them (the seed and offset written to the device before each replay; the capture
+    consumes no offsets). The result's tensors are then the graph's buffer, rewritten by its next replay:
+    read them (or host()) before the next verification of the same tensors.
+    """
+    kernels = project_kernels()
+    how, scale, topk, top_p = kernel_sampling(mode, sampling, target_logits.shape[-1])
+    if how != "standardize":
+        done = kernels.launch_sampled(mode, draft_tokens, draft_logits, target_logits, generator, scale=scale,
+                                      topk=topk, top_p=top_p, lenience=lenience, sigmoid_alpha=alpha,
+                                      sigmoid_beta=beta)
+    else:  # torch standardizes first: its logits are fresh tensors every call, so a graph would never replay
+        args = kernel_args(mode, draft_tokens, draft_logits, target_logits, sampling, generator)
+        done = kernels.launch(mode, draft_tokens, args.draft_logits, args.target_logits, args.u, args.u_res,
+                              lenience=lenience, sigmoid_alpha=alpha, sigmoid_beta=beta, **args.options)
     # kernels/cuda/ hands back plain dicts keyed like Verdict's fields: typed here, at the boundary
     return VerifyResult.of(Verdict(**done.outputs), host=VerifyHost(**done.host))

@@ -256,7 +256,7 @@ def test_graphs_are_captured_once_per_shape_on_gpu():
     _cuda()
     _, static = _models("cuda", torch.bfloat16, "graphs")
     g = torch.Generator().manual_seed(13)
-    prompt = _tokens(g, 30)
+    prompt = _tokens(g, 40)  # read eagerly: wider than MAX_GRAPH_WIDTH
     for run in range(2):
         d = CausalLMDecoder(static, VOCAB, 1)
         d.prefill([prompt])

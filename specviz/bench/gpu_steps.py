@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         costs[name] = {}
         for mode in args.modes if name != "target7b" else ["graphs", "transformers"]:
             graphed.attach(model, mode)
+            if model.graphed_forward is not None:
+                ops = model.graphed_forward.ops
+                out.setdefault("fused_kernels", {})[f"{name}/{mode}"] = ops.fused or ops.why
             rows = {}
             for batch, widths in ((1, WIDTHS), (8, (1, 5))):
                 for w in widths:
-                    if mode == "transformers" and w not in (1, 5, 6):
+                    if mode != "graphs" and w not in (1, 5, 6):  # the other paths: beside the goals' shapes
                         continue
                     try:
                         rows[f"B{batch}W{w}"] = time_step(model, batch, w, args.context, args.reps)

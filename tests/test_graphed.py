@@ -114,6 +114,19 @@ def test_ragged_batch_and_prompt_merge_match_transformers():
     _drive(CausalLMDecoder(static, VOCAB, 3), CausalLMDecoder(ref, VOCAB, 3), prompts, seed=4)
 
 
+def test_sdpa_attention_matches_transformers(monkeypatch):
+    """The other attention path (torch's fused kernel, kept for measurement beside the two matrix products)."""
+    monkeypatch.setenv("SPECVIZ_STEP_ATTENTION", "sdpa")
+    ref, static = _models()
+    assert static.graphed_forward.attention == "sdpa"
+    g = torch.Generator().manual_seed(31)
+    _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 7), _tokens(g, 12)],
+           seed=32, steps=5)
+    monkeypatch.setenv("SPECVIZ_STEP_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="attention"):
+        graphed.attach(tiny_qwen(1), "eager")
+
+
 def test_prompt_cache_and_shared_prefill_match_transformers():
     """Identical prompts share one prefill (rows copied up to the batch); the second round reads the prompts
     from the prompt cache, whose entries are exactly each prompt's slots."""
@@ -246,8 +259,9 @@ def test_graph_replays_give_the_eager_bits_on_gpu():
     _drive(CausalLMDecoder(replayed, VOCAB, 3), CausalLMDecoder(eager, VOCAB, 3), prompts, seed=12,
            tol=dict(rtol=0, atol=0))
     ref, _ = _models("cuda", torch.bfloat16)
+    # bf16: rotary rounded once here and per operation there moves cached keys by a few units in the last place
     _drive(CausalLMDecoder(replayed, VOCAB, 3), CausalLMDecoder(ref, VOCAB, 3), prompts, seed=12,
-           tol=dict(rtol=3e-2, atol=3e-2))
+           tol=dict(rtol=5e-2, atol=1e-1))
 
 
 @pytest.mark.gpu

@@ -42,6 +42,7 @@ HEADROOM = 1024  # slots a workspace holds beyond its first write: a run's new t
 ALIGN = 256  # capacities are multiples of this, so runs on prompts of similar length share a workspace
 KEPT_FREE = 4  # workspaces kept for reuse per forward once their decoders are gone
 MODES = ("graphs", "eager", "transformers")  # SPECVIZ_GPU_STEPS: how a CUDA model steps (default graphs)
+ATTENTION = ("matmul", "sdpa")  # SPECVIZ_STEP_ATTENTION: how a step attends (GraphedForward._attend)
 
 
 def gpu_steps() -> str:
@@ -131,9 +132,11 @@ class GraphedForward:
 
     ROTARY_TABLE_POSITIONS = 262144  # at most this many positions' rotary values are tabled (16 MB per 32K at D = 128)
 
-    def __init__(self, model: nn.Module, graphs: bool = True):
+    def __init__(self, model: nn.Module, graphs: bool = True, attention: str = "matmul"):
         cfg = model.config
-        self.model = model
+        if attention not in ATTENTION:
+            raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION)}")
+        self.model, self.attention = model, attention
         self.device, self.dtype = model.device, model.dtype
         self.graphs = graphs and self.device.type == "cuda"
         self.embed = model.model.embed_tokens.weight
@@ -172,6 +175,8 @@ class GraphedForward:
         bias = torch.zeros((B, 1, G, W, C), dtype=self.dtype, device=ids.device)
         bias.masked_fill_(~sees[:, None, None], float("-inf"))
         bias = bias.view(B, 1, G * W, C)
+        if self.attention == "matmul":
+            bias = bias.expand(B, Hkv, G * W, C).reshape(B * Hkv, G * W, C)
         cos, sin = self.cos[positions].view(B * W, D), self.sin[positions].view(B * W, D)
         x = F.embedding(ids, self.embed).view(B * W, -1)  # [B·W, hidden]: rows b·W + w
         delta = None  # what the last block adds to x: added by the next norm, in the same kernel
@@ -179,12 +184,30 @@ class GraphedForward:
             x, h = ops.add_rms_norm(x, delta, layer.norm1, layer.eps1)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # [B·W, (H + 2·Hkv)·D]
             q = ops.rope_store(qkv, cos, sin, start, W, H, Hkv, keys[i], values[i])  # [B, Hkv, G·W, D]
-            attended = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=bias, scale=self.scaling)
+            attended = self._attend(q, keys[i], values[i], bias)
             attended = attended.view(B, Hkv, G, W, D).permute(0, 3, 1, 2, 4).reshape(B * W, H * D)
             x, h = ops.add_rms_norm(x, layer.o_proj(attended), layer.norm2, layer.eps2)
             delta = layer.down_proj(ops.silu_mul(F.linear(h, layer.gate_up_weight, layer.gate_up_bias)))
         last = lambda t: t.view(B, W, -1)[:, -keep:].reshape(B * keep, -1)  # noqa: E731
         return ops.add_rms_norm(last(x), last(delta), self.norm, self.eps)[1].view(B, keep, -1)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q [B, Hkv, M, D] over keys, values [B, Hkv, C, D] with the additive mask bias ([B·Hkv, M, C] for
+        'matmul', [B, 1, M, C] for 'sdpa') -> [B, Hkv, M, D].
+
+        'matmul' (the default): scores and the weighted sum as two batched matrix products (cuBLAS spreads a few
+        queries over many keys across the chip) and a softmax between them, as transformers' eager attention
+        computes them (scores in the model's dtype, softmax in fp32). 'sdpa': torch's fused attention, whose
+        memory-efficient kernel gives each (row, key head) one block: 2 blocks for the embedded draft at one
+        token, ~70 µs a layer over 2,048 slots on an H200, against the ~10 µs its bytes need."""
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.scaling)
+        B, Hkv, M, D = q.shape
+        C = keys.shape[2]
+        scores = torch.baddbmm(bias, q.view(B * Hkv, M, D), keys.reshape(B * Hkv, C, D).transpose(1, 2),
+                               alpha=self.scaling)  # [B·Hkv, M, C]
+        probs = torch.softmax(scores, dim=-1)  # accumulated in fp32, rounded once to the dtype
+        return torch.bmm(probs, values.reshape(B * Hkv, C, D)).view(B, Hkv, M, D)
 
     # ---- a decoder's call ----------------------------------------------------------------------
     def logits(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, keep: int,
@@ -405,6 +428,7 @@ def attach(model: nn.Module, mode: str | None = None) -> nn.Module:
     """Give a CUDA `model` its `graphed_forward` where `supports(model)` and the mode (`gpu_steps()`) is not
     'transformers'; None otherwise, and the text decoder runs transformers' forward. Returns the model."""
     mode = mode or gpu_steps()
-    model.graphed_forward = (GraphedForward(model, graphs=mode == "graphs")
+    attention = os.environ.get("SPECVIZ_STEP_ATTENTION", "matmul")
+    model.graphed_forward = (GraphedForward(model, graphs=mode == "graphs", attention=attention)
                              if mode != "transformers" and supports(model) else None)
     return model

@@ -74,10 +74,28 @@ def sample(std_logits: torch.Tensor, generator: torch.Generator | None, greedy: 
     cdf = probs.double().cumsum(dim=-1)
     picked = torch.searchsorted(cdf, u.double().unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)  # cdf > goal
     over = picked >= V
-    if bool(over.any()):  # u·total rounded up to the total: the last token with probability > 0
+    # u·total rounded up to the total: the last token with probability > 0. On a GPU always computed (one more
+    # pass) rather than asking the device whether any row needs it, which would wait for the GPU each draw.
+    if rows.is_cuda or bool(over.any()):
         positions = torch.arange(V, device=rows.device)
         picked = torch.where(over, torch.where(probs > 0, positions, 0).amax(dim=-1), picked)
     return picked.reshape(std_logits.shape[:-1])
+
+
+def draw_checked(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None, name: str
+                 ) -> list[int]:
+    """draw's tokens as a list, logits [R, V] checked as check_logits does. On a GPU in one readback: the tokens
+    and each row's finiteness come back together (each readback waits for the device); elsewhere the check
+    comes first, so that nothing draws from bad rows."""
+    if not logits.is_cuda:
+        check_logits(logits, name)
+        return draw(logits, cfg, generator).tolist()
+    bad = ~torch.isfinite(logits.amax(dim=-1))  # [R]
+    x = draw(logits, cfg, generator)  # [R]
+    both = torch.cat([x.long(), bad.long()]).tolist()
+    if any(both[len(both) // 2:]):
+        check_logits(logits, name)  # raises, naming the row
+    return both[: len(both) // 2]
 
 
 def _native_rows(rows: torch.Tensor) -> bool:  # rows [R, V]

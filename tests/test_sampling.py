@@ -91,3 +91,20 @@ def test_greedy_is_the_argmax_and_draws_no_random_number():
     state = g.get_state()
     assert torch.equal(sampling.draw(logits, SamplingConfig(temperature=0.0), g), logits.argmax(dim=-1))
     assert torch.equal(g.get_state(), state)
+
+
+@pytest.mark.gpu
+def test_draw_checked_reads_tokens_and_finiteness_back_once_on_gpu():
+    """On a GPU the draw and the logits check share one readback: the same tokens as draw from the same
+    generator state, and a NaN / all -inf row still raises naming it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from specviz.sampling import InvalidLogitsError, draw, draw_checked
+
+    cfg = SamplingConfig(temperature=0.8)
+    z = torch.randn(4, 1000, device="cuda")
+    want = draw(z, cfg, torch.Generator(device="cuda").manual_seed(3)).tolist()
+    assert draw_checked(z, cfg, torch.Generator(device="cuda").manual_seed(3), "draft") == want
+    z[2, 7] = float("nan")
+    with pytest.raises(InvalidLogitsError, match=r"draft logits contain NaN at index \[2\]"):
+        draw_checked(z, cfg, torch.Generator(device="cuda").manual_seed(3), "draft")

@@ -28,7 +28,7 @@ from specviz.decoding.gamma import Feedback, Policy, make_policy
 from specviz.decoding.drafts import lookup
 from specviz.decoding.proposers import DraftSetup, Proposal, Proposer, make_proposers, uses_draft_model
 from specviz.decoding.records import (ACCEPTED, BONUS, DISCARDED, REJECTED, RESAMPLED, TARGET, Completed, Decision, Event, Examined, Finished, Iteration, Prefilled, Prefilling, StepRecord)
-from specviz.sampling import check_logits, draw
+from specviz.sampling import draw, draw_checked
 from specviz.decoding.source import SequenceSpec, Source, Vocabulary, unique_names
 from specviz.verify import VerifyHost, VerifyMetadata, verify_batch
 
@@ -346,8 +346,7 @@ def _plain_step(run: RunState, batch: Batch) -> tuple[list[Decision], list[Finis
     speculative run's γ = 0 step (the draft's cache catches up when it next drafts)."""
     target, vocab = batch.target, run.vocab
     z = target.forward([s.tokens[target.fed(i):] for i, s in enumerate(batch.live)], 1)[:, 0]  # [B, V]
-    check_logits(z, "target")
-    tokens = draw(z, run.cfg.sampling, run.generator).tolist()
+    tokens = draw_checked(z, run.cfg.sampling, run.generator, "target")
     decisions, finished = [], []
     for seq, x in zip(batch.live, tokens):
         seq.tokens.append(x)

@@ -19,7 +19,7 @@ from specviz.config import LOOKUP_THEN_MODEL, PRICED, PRICED_KINDS, SpecConfig
 from specviz.decoding.decoder import PAD_ID, SlottedDecoder
 from specviz.decoding.drafts import lookup, one_hot_logits
 from specviz.decoding.records import LOOKUP, MODEL
-from specviz.sampling import check_logits, draw
+from specviz.sampling import draw_checked
 from specviz.decoding.source import Vocabulary
 
 
@@ -105,14 +105,13 @@ class ModelDraft:
         logits = []
         while live:
             z = draft.forward(feeds, 1)[:, 0]  # [B, V]
-            z_live = z.index_select(0, torch.tensor(live, device=z.device))  # [b, V]
-            check_logits(z_live, "draft")
-            x = draw(z_live, self.sampling, self.generator)  # [b]
-            doubt = self._doubts(z_live, x)
+            z_live = z if len(live) == len(histories) else z.index_select(0, torch.tensor(live, device=z.device))
+            x = draw_checked(z_live, self.sampling, self.generator, "draft")  # b tokens, one readback
+            doubt = self._doubts(z_live, torch.tensor(x, device=z.device)) if self.confidence else None
             logits.append(z)
             feeds = [[] for _ in histories]
             still = []
-            for k, (i, token) in enumerate(zip(live, x.tolist())):
+            for k, (i, token) in enumerate(zip(live, x)):
                 drafts[i].append(token)
                 if len(drafts[i]) < caps[i] and not (doubt and doubt[k]):
                     still.append(i)

@@ -61,6 +61,7 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import functools
+import gc
 import importlib.util
 import json
 import os
@@ -70,6 +71,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -728,10 +730,12 @@ def test_graph_cache_keys_and_evicts_least_recently_used():
 
     assert cache.get("L", 1, capture("a")) == "a"
     assert cache.get("L", 1, capture("never")) == "a"
-    assert cache.get("L", 2, capture("b")) == "b"  # same layout, other addresses: another graph
-    assert cache.get("M", 1, capture("c")) == "c"  # same addresses, other layout: another graph
+    assert cache.get("L", 2, capture("b")) == "b"  # same layout, another generator: another graph
+    assert cache.get("M", 1, capture("c")) == "c"  # same generator, other layout: another graph
     assert cache.get("L", 1, capture("never")) == "a"  # used again: now the most recent
     assert cache.get("N", 1, capture("d")) == "d"  # evicts ("L", 2), the least recently used
+    assert cache.keys() == [("M", 1), ("L", 1), ("N", 1)]
+    assert cache.peek("L", 2) is None and cache.peek("M", 1) == "c"  # peek: no capture, no use
     assert cache.keys() == [("M", 1), ("L", 1), ("N", 1)]
     assert cache.get("L", 2, capture("b2")) == "b2"
     assert made == ["a", "b", "c", "d", "b2"] and len(cache.keys()) == 3
@@ -739,26 +743,31 @@ def test_graph_cache_keys_and_evicts_least_recently_used():
     assert cache.keys() == [] and cache.get("L", 1, capture("a2")) == "a2"
 
 
-def test_graph_cache_capture_budget():
-    """A layout whose addresses never recur captures `budget` graphs, then launches eagerly (None) without
-    capturing; hits earn captures back; other layouts keep their own budget; a capture that returns None
-    (not graphable) makes its layout eager for good."""
-    cache = kernels.GraphCache(capacity=16, budget=3, earn=0.5)
+def test_graph_cache_never_graphed_layouts_and_dead_generators():
+    """Every call of a layout hits its graph, however many (no capture budget); a capture that
+    returns None (not graphable) makes its layout eager for good (until clear); an entry whose instance is a
+    dead weak reference (its generator gone) is dropped by the next capture and never hit by a new one."""
+    cache = kernels.GraphCache(capacity=16)
     made = []
 
     def capture(tag):
         return lambda: made.append(tag) or tag
 
-    got = [cache.get("L", i, capture(i)) for i in range(10)]
-    assert got == [0, 1, 2] + [None] * 7 and made == [0, 1, 2]
-    assert cache.get("L", 1, capture("never")) == 1  # existing graphs still replay, earning 0.5
-    assert cache.get("L", 99, capture(99)) is None
-    assert cache.get("L", 2, capture("never")) == 2  # 1.0 earned: one more capture
-    assert cache.get("L", 99, capture(99)) == 99 and cache.get("L", 100, capture(100)) is None
-    assert cache.get("M", 0, capture("m")) == "m"  # another layout, its own budget
+    assert [cache.get("L", 0, capture(i)) for i in range(100)] == [0] * 100 and made == [0]
     calls = []
     assert cache.get("C", 0, lambda: calls.append(0)) is None
     assert cache.get("C", 1, lambda: calls.append(1)) is None and calls == [0]
+
+    gen = torch.Generator()
+    ref = weakref.ref(gen)
+    assert cache.get("L", ref, capture("g")) == "g"
+    assert cache.get("L", weakref.ref(gen), capture("never")) == "g"  # a new reference to the same generator
+    del gen
+    gc.collect()
+    assert ref() is None and len(cache.keys()) == 2  # still there: dropped by the next capture
+    other = torch.Generator()
+    assert cache.get("L", weakref.ref(other), capture("o")) == "o"  # a live reference never equals a dead one
+    assert ("L", ref) not in cache.keys() and len(cache.keys()) == 2
     cache.clear()
     assert cache.get("L", 5, capture(5)) == 5 and cache.get("C", 0, lambda: "c") == "c"
 
@@ -779,27 +788,97 @@ def test_graph_cache_captures_once_across_threads():
     assert all(g is got[i % 3] for i, g in enumerate(got))
 
 
-def test_graph_key_separates_layout_from_addresses():
-    """graph_key: equal layouts for equal shapes, strides, dtypes, settings, mode, device and stream; the
-    instance is the generator and the three data pointers."""
+def test_graph_key_is_the_layout_and_the_generator():
+    """graph_key: equal layouts for equal shapes, dtypes, settings, mode, device and stream, whatever the
+    tensors' addresses and strides (the graph owns its inputs and copies a call's tensors in); the instance
+    is a weak reference to the generator (None for None)."""
     key = kernels.graphs.graph_key
     gen, other = torch.Generator(), torch.Generator()
     a = _cpu_case(B=3, gamma=4, V=100, seed=1)
-    b = _cpu_case(B=3, gamma=4, V=100, seed=2)
+    b = _cpu_case(B=3, gamma=4, V=100, seed=2)  # other tensors, at other addresses
     settings = dict(scale=1.0, topk=0, top_p=1.0)
     layout, instance = key("exact", *a[:3], gen, 7, settings)
-    assert instance == (id(gen), a[0].data_ptr(), a[1].data_ptr(), a[2].data_ptr())
-    assert key("exact", *b[:3], gen, 7, settings) == (layout, (id(gen), b[0].data_ptr(), b[1].data_ptr(),
-                                                                b[2].data_ptr()))
-    assert key("exact", *a[:3], other, 7, settings) == (layout, (id(other), *instance[1:]))
-    transposed = a[2].transpose(0, 1).contiguous().transpose(0, 1)
+    assert instance == weakref.ref(gen) and instance() is gen
+    assert key("exact", *b[:3], gen, 7, settings) == (layout, instance)
+    assert key("exact", *[t.clone() for t in a[:3]], gen, 7, settings) == (layout, instance)
+    transposed = a[2].transpose(0, 1).contiguous().transpose(0, 1)  # same shape, other strides
+    assert key("exact", a[0], a[1], transposed, gen, 7, settings) == (layout, instance)
+    assert key("exact", *a[:3], other, 7, settings) == (layout, weakref.ref(other)) and instance != weakref.ref(other)
+    assert key("exact", *a[:3], None, 7, settings) == (layout, None)
     for changed in (key("sigmoid", *a[:3], gen, 7, settings), key("exact", *a[:3], gen, 8, settings),
                     key("exact", *a[:3], gen, 7, dict(settings, top_p=0.9)),
                     key("exact", a[0], a[1].half(), a[2].half(), gen, 7, settings),
-                    key("exact", a[0], a[1], transposed, gen, 7, settings),
-                    key("exact", *_cpu_case(B=3, gamma=4, V=101)[:3], gen, 7, settings)):
+                    key("exact", a[0].int(), a[1], a[2], gen, 7, settings),
+                    key("exact", *_cpu_case(B=3, gamma=4, V=101)[:3], gen, 7, settings),
+                    key("exact", *_cpu_case(B=2, gamma=4, V=100)[:3], gen, 7, settings),
+                    key("exact", *_cpu_case(B=3, gamma=5, V=100)[:3], gen, 7, settings)):
         assert changed[0] != layout
     assert len({layout, instance}) == 2  # both hashable: the cache's key
+
+
+class _FakeStream:
+    def synchronize(self):
+        pass
+
+
+def _fake_graphed(B: int, gamma: int, V: int, delay: float = 0.0):
+    """A Graphed on the CPU whose `graph` stands in for the capture: its replay writes the static draft tokens
+    [:, 0] into n_accepted and [:, 1] into next_token of the pinned bytes, and records what the static inputs
+    held when it ran."""
+    tokens, dl, tl, u, u_res = _cpu_case(B=B, gamma=gamma, V=V)
+    spec = kernels.LaunchSpec.of("exact", tokens, dl, tl, u, u_res, sms=1)
+    out_bytes = 7 * B * 8 + 16 * B * gamma
+    inputs = kernels.graphs.static_inputs(tokens, dl, tl)
+    seen = []
+
+    class Replay:
+        def replay(self):
+            seen.append(tuple(t.clone() for t in inputs))
+            time.sleep(delay)
+            pinned[: 16 * B].view(torch.int64).copy_(torch.cat([inputs[0][:, 0], inputs[0][:, 1]]))
+
+    pinned = torch.zeros(out_bytes, dtype=torch.uint8)
+    graphed = kernels.graphs.Graphed(Replay(), _FakeStream(), inputs, torch.zeros(8, dtype=torch.int32), u_res,
+                                     torch.zeros(out_bytes, dtype=torch.uint8), pinned, spec)
+    return graphed, seen
+
+
+def test_graphed_run_copies_the_call_tensors_in_before_the_replay():
+    """Graphed.run (a stand-in graph on the CPU): each call's tensors are copied into the static inputs before
+    the replay, whatever their strides; a tensor that is the static one is not copied (its version counter
+    does not move); the host lists are read after the replay."""
+    B, gamma, V = 3, 4, 50
+    graphed, seen = _fake_graphed(B, gamma, V)
+    statics = graphed.inputs
+    assert all(t.is_contiguous() for t in statics)
+    assert [(t.shape, t.dtype) for t in statics] == [((B, gamma), torch.long), ((B, gamma, V), torch.float32),
+                                                     ((B, gamma + 1, V), torch.float32)]
+    for seed in (1, 2):
+        tokens, dl, tl, _, _ = _cpu_case(B=B, gamma=gamma, V=V, seed=seed)
+        tl = tl.transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous: copy_ handles the strides
+        host = graphed.run((tokens, dl, tl))
+        assert all(torch.equal(x, y) for x, y in zip(seen[-1], (tokens, dl, tl)))
+        assert host["n_accepted"] == tokens[:, 0].tolist() and host["next_token"] == tokens[:, 1].tolist()
+    versions = [t._version for t in statics]
+    statics[0].copy_(_cpu_case(B=B, gamma=gamma, V=V, seed=3)[0])
+    tokens = statics[0]
+    dl = _cpu_case(B=B, gamma=gamma, V=V, seed=3)[1]
+    host = graphed.run((tokens, dl, statics[2]))
+    assert [t._version for t in statics] == [versions[0] + 1, versions[1] + 1, versions[2]]  # only dl copied
+    assert torch.equal(seen[-1][1], dl) and host["n_accepted"] == tokens[:, 0].tolist()
+
+
+def test_graphed_run_is_atomic_across_threads():
+    """Two threads on one graph (a stand-in replay that sleeps between reading the inputs and writing the
+    outputs): each call's host lists come from its own inputs, so copy-in, replay and readback never interleave."""
+    B, gamma, V = 2, 3, 20
+    graphed, _ = _fake_graphed(B, gamma, V, delay=0.002)
+    cases = [_cpu_case(B=B, gamma=gamma, V=V, seed=i)[:3] for i in range(8)]
+    got = _race(8, lambda i: [graphed.run(cases[i]) for _ in range(5)])
+    for i, hosts in enumerate(got):
+        for host in hosts:
+            assert host["n_accepted"] == cases[i][0][:, 0].tolist(), i
+            assert host["next_token"] == cases[i][0][:, 1].tolist(), i
 
 
 def test_graphs_switch_routes_launch_sampled(monkeypatch):
@@ -1495,22 +1574,27 @@ def _stats_module():
 
 def _first_tokens_gpu(pair, n: int, seed: int, chunk_rows: int = 1 << 15, graphed: bool = False) -> np.ndarray:
     """verify_cuda on n copies of the pair (logits expanded, not copied), drafts drawn from q on the GPU.
-    graphed: launch_sampled's graph draws the uniforms instead (drafts copied into one buffer, so that every
-    full chunk replays one graph)."""
+    graphed: launch_sampled's graph draws the uniforms instead. A graph owns [rows, γ(+1), V] inputs, so its
+    chunks hold at most 2^27 logits; the first call of a chunk size copies the expanded logits in, later ones
+    pass the graph's own inputs (`graph_inputs`), so that only the drafts are copied (every full chunk
+    replays one graph, the last one another)."""
     dl, tl, scale = kernel_inputs(pair.sampling, pair.draft_logits.cuda(), pair.target_logits.cuda())
     gamma, V = dl.shape
+    if graphed:
+        chunk_rows = max(1, min(chunk_rows, (1 << 27) // ((2 * gamma + 1) * V)))
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.softmax(standardize(pair.draft_logits.cuda(), pair.sampling), dim=-1)
     counts = torch.zeros(V, dtype=torch.long, device="cuda")
-    drafts = torch.empty((chunk_rows, gamma), dtype=torch.long, device="cuda") if graphed else None
     done = 0
     while done < n:
         b = min(chunk_rows, n - done)
         tokens = torch.stack([torch.multinomial(q[j], b, replacement=True, generator=g) for j in range(gamma)], dim=1)
         if graphed:
-            tokens = drafts[:b].copy_(tokens)
-            launched = kernels.launch_sampled("exact", tokens, dl.expand(b, -1, -1), tl.expand(b, -1, -1), g,
-                                              scale=scale)
+            dlb, tlb = dl.expand(b, -1, -1), tl.expand(b, -1, -1)
+            static = kernels.launcher.graph_inputs("exact", tokens, dlb, tlb, g, scale=scale)
+            if static is not None:  # the graph holds these logits already: only the drafts are copied in
+                dlb, tlb = static[1], static[2]
+            launched = kernels.launch_sampled("exact", tokens, dlb, tlb, g, scale=scale)
             assert launched.graphed
             out = launched.outputs
         else:
@@ -1898,13 +1982,13 @@ def test_stress_producer_on_side_stream():
 
 
 # ----------------------------------------------------------------------------------------------------
-# GPU: one CUDA graph per plan (kernels/cuda/graphs.py)
+# GPU: one CUDA graph per layout and generator, owning its inputs (kernels/cuda/graphs.py)
 # ----------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def graph_cache():
-    """launch_sampled's graph cache, empty before and after the test (budgets too)."""
+    """launch_sampled's graph cache, empty before and after the test (never-graphed layouts too)."""
     cache = kernels.launcher._graph_cache
     cache.clear()
     yield cache
@@ -1928,17 +2012,29 @@ GRAPH_CASES = [  # (mode, B, γ, V, dtype, settings)
 ]
 
 
+def _strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a non-contiguous tensor (batch-major storage of [B, rows, V] seen through a transpose)."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 @pytest.mark.gpu
 def test_graphed_call_decides_as_the_eager_kernels(graph_cache):
     """launch_sampled through its graph against `launch` with the uniforms the graph drew: every output
-    bitwise equal, and the host lists too, over several replays, which draw fresh uniforms each time; one
-    graph per plan; with graphs switched off nothing is captured."""
+    bitwise equal, and the host lists too, over several replays, which draw fresh uniforms each time. Every
+    call passes fresh tensors, as the decoding engine does: the capturing call's, then clones (other
+    objects at other addresses), other logits of the layout, and non-contiguous ones; each hits the one
+    graph of its layout and decides for its own inputs. With graphs switched off nothing is captured."""
     _require_kernels()
+    gens = []
     for i, (mode, B, gamma, V, dtype, settings) in enumerate(GRAPH_CASES):
-        tokens, dl, tl = _graph_inputs(B, gamma, V, dtype, seed=50 + i)
+        first = _graph_inputs(B, gamma, V, dtype, seed=50 + i)
+        other = _graph_inputs(B, gamma, V, dtype, seed=150 + i)
+        calls = [first, tuple(t.clone() for t in first), other, tuple(t.clone() for t in other),
+                 (first[0], _strided_copy(first[1]), _strided_copy(first[2])), first]
         gen = torch.Generator(device="cuda").manual_seed(i)
-        previous = None
-        for rep in range(3):
+        gens.append(gen)  # alive: a generator's graphs go once it does
+        previous, addresses = None, set()
+        for rep, (tokens, dl, tl) in enumerate(calls):
             done = kernels.launch_sampled(mode, tokens, dl, tl, gen, graphs_on=True, **settings)
             assert done.graphed, (mode, B, gamma, V, dtype)
             outputs = {k: v.clone() for k, v in done.outputs.items()}  # the graph's buffer: the next replay writes it
@@ -1949,8 +2045,20 @@ def test_graphed_call_decides_as_the_eager_kernels(graph_cache):
             assert done.host == eager.host
             assert previous is None or not torch.equal(u, previous), "a replay reused the previous uniforms"
             previous = u
+            addresses.add((tokens.data_ptr(), dl.data_ptr(), tl.data_ptr()))
+            assert len(graph_cache.keys()) == i + 1, (mode, B, gamma, V, dtype, rep)  # the same graph
+        assert len(addresses) == len(calls) - 1  # fresh addresses every call but the last
     assert len(graph_cache.keys()) == len(GRAPH_CASES)
+    # with the same uniforms, two sets of inputs of one layout decide for their own (no stale inputs replayed)
     mode, B, gamma, V, dtype, settings = GRAPH_CASES[0]
+    first, other = _graph_inputs(B, gamma, V, dtype, seed=50), _graph_inputs(B, gamma, V, dtype, seed=150)
+    twin = torch.Generator(device="cuda").manual_seed(123)
+    a = kernels.launch_sampled(mode, *first, twin, graphs_on=True, **settings)
+    a = {k: v.clone() for k, v in a.outputs.items()}
+    twin.manual_seed(123)
+    b = kernels.launch_sampled(mode, *other, twin, graphs_on=True, **settings).outputs
+    assert torch.equal(a["uniforms"], b["uniforms"]) and not torch.equal(a["p_draft"], b["p_draft"])
+    assert len(graph_cache.keys()) == len(GRAPH_CASES) + 1  # the twin generator's graph
     tokens, dl, tl = _graph_inputs(B, gamma, V, dtype, seed=99)
     before = kernels.graphs_enabled()
     kernels.set_graphs_enabled(False)
@@ -1958,20 +2066,23 @@ def test_graphed_call_decides_as_the_eager_kernels(graph_cache):
         assert not kernels.launch_sampled(mode, tokens, dl, tl, None, **settings).graphed
     finally:
         kernels.set_graphs_enabled(before)
-    assert len(graph_cache.keys()) == len(GRAPH_CASES)
+    assert len(graph_cache.keys()) == len(GRAPH_CASES) + 1
 
 
 @pytest.mark.gpu
 def test_graphed_uniforms_continue_the_generator(graph_cache):
     """The graph draws what kernel_args would: u then u_res from the generator's state at the call, and
-    leaves the generator where those two eager draws would (the capture itself draws nothing)."""
+    leaves the generator where those two eager draws would (the capture itself draws nothing), with fresh
+    tensors every call. A second generator gets its own graph of the layout (each draws from its own
+    generator); once a generator is gone, the next capture drops its graph."""
     _require_kernels()
     B, gamma, V = 4, 5, 51865
     tokens, dl, tl = _graph_inputs(B, gamma, V, torch.float32, seed=7)
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    for call in range(4):  # the first call captures, then replays
+    gens = [torch.Generator(device="cuda").manual_seed(11), torch.Generator(device="cuda").manual_seed(12)]
+    for call in range(8):  # each generator's first call captures, then replays
+        gen = gens[call % 2]
         state = gen.get_state()
-        done = kernels.launch_sampled("exact", tokens, dl, tl, gen, graphs_on=True)
+        done = kernels.launch_sampled("exact", *(t.clone() for t in (tokens, dl, tl)), gen, graphs_on=True)
         assert done.graphed
         twin = torch.Generator(device="cuda")
         twin.set_state(state)
@@ -1979,14 +2090,22 @@ def test_graphed_uniforms_continue_the_generator(graph_cache):
         u_res = torch.rand((B,), generator=twin, device="cuda")
         assert torch.equal(done.outputs["uniforms"], u) and torch.equal(done.u_res, u_res), call
         assert torch.equal(gen.get_state(), twin.get_state()), call
-    assert len(graph_cache.keys()) == 1
+    assert len(graph_cache.keys()) == 2
+    dead = weakref.ref(gens.pop())
+    del gen
+    gc.collect()
+    assert dead() is None and len(graph_cache.keys()) == 2
+    assert kernels.launch_sampled("exact", tokens[:2], dl[:2], tl[:2], gens[0], graphs_on=True).graphed
+    assert len(graph_cache.keys()) == 2  # B = 2 captured; the dead generator's graph dropped
+    assert all(instance() is gens[0] for _, instance in graph_cache.keys())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graphed_invalid_logits_raise_on_gpu(graph_cache, dtype):
-    """Through the graph (captured, then replayed: the same tensors hit it), bad logits and drafted ids
-    raise naming the row; afterwards the graph's own state is clean and a valid call decides as eager."""
+    """Through the graph (captured by the first call, then replayed: bad inputs are copied into it like any
+    others), bad logits and drafted ids raise naming the row; afterwards the graph's own state is clean and a
+    valid call decides as eager."""
     _require_kernels()
     B, gamma, V = 3, 2, 51865
     tokens, dl, tl = _graph_inputs(B, gamma, V, dtype, seed=1)
@@ -2000,11 +2119,11 @@ def test_graphed_invalid_logits_raise_on_gpu(graph_cache, dtype):
     cases = [((tokens, bad_draft, tl), InvalidLogitsError, r"draft logits contain NaN at index \[1, 1\]"),
              ((tokens, dl, bad_target), InvalidLogitsError, r"target logits contain \+inf at index \[2, 0\]"),
              ((bad_tokens, dl, tl), ValueError, r"position \[1, 0\]")]
-    for n, (args, error, message) in enumerate(cases):
-        for _ in range(2):  # capture and replay, then a replay alone
+    for args, error, message in cases:
+        for _ in range(2):  # a replay (the first call captures), then another
             with pytest.raises(error, match=message):
                 run(*args)
-        assert len(graph_cache.keys()) == n + 1
+        assert len(graph_cache.keys()) == 1
     for _ in range(2):
         done = run(tokens, dl, tl)
         assert done.graphed
@@ -2016,8 +2135,9 @@ def test_graphed_invalid_logits_raise_on_gpu(graph_cache, dtype):
 
 @pytest.mark.gpu
 def test_graphed_verify_makes_exactly_one_sync(graph_cache):
-    """verify() on the graphed kernel path, after the call that captured: a replay and exactly one sync torch
-    can see (the wait for the pinned copy); host() reads nothing more; no new graph."""
+    """verify() on the graphed kernel path, after the call that captured: the copy-in, a replay and exactly
+    one sync torch can see (the wait for the pinned copy); host() reads nothing more; no new graph; the same
+    with fresh tensors (clones made outside the count)."""
     _require_kernels()
     from specviz.verify import verify
 
@@ -2029,12 +2149,13 @@ def test_graphed_verify_makes_exactly_one_sync(graph_cache):
         graphs_before = graph_cache.keys()
         out = {}
 
-        def kernel_call():
-            out["res"] = verify("exact", tokens, dl, tl, sampling, gen, backend="cuda")
+        def kernel_call(args):
+            out["res"] = verify("exact", *args, sampling, gen, backend="cuda")
             out["host"] = out["res"].host()
 
-        seen = _syncs_seen(kernel_call)
-        assert len(seen) == 1, (sampling, seen)
-        assert graph_cache.keys() == graphs_before
-        assert out["host"].n_accepted == out["res"].n_accepted.tolist()
-        assert out["host"].uniforms == out["res"].uniforms.tolist()
+        for args in ((tokens, dl, tl), tuple(t.clone() for t in (tokens, dl, tl))):
+            seen = _syncs_seen(lambda: kernel_call(args))
+            assert len(seen) == 1, (sampling, seen)
+            assert graph_cache.keys() == graphs_before
+            assert out["host"].n_accepted == out["res"].n_accepted.tolist()
+            assert out["host"].uniforms == out["res"].uniforms.tolist()

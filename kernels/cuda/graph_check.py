@@ -7,11 +7,15 @@ per call, ≥ 5× baseline at V = 151,936, γ = 5, B = 1, fp32).
 Parts (each catches its own errors, recorded under "errors", so one failure does not hide the others):
 - correctness: on random logits (a few shapes, fp32 / bf16 / fp16, both modes, a filter), the graphed call's
   outputs against `launch` with the uniforms the graph drew (bitwise), replays drawing fresh uniforms, the
-  uniforms equal to eager draws from the same generator state, and torch's count of syncs per call;
+  uniforms equal to eager draws from the same generator state, calls with fresh tensors (clones, and other
+  logits) replaying the same graph and deciding for their own inputs, and torch's count of syncs per call;
 - timing: baseline (transformers' algorithm on torch), eager kernels and graphed kernels through
   `verify(...).host()` as bench-verify times them: median wall µs of --iters calls after --warmup, GPU µs
-  from CUDA events (eager: around the kernel launches; graphed: around the replay, so its draws and copy
-  count as GPU time), host µs = call − GPU.
+  from CUDA events (eager: around the kernel launches; graphed: around the copy-in and the replay, so the
+  input copies, draws and readback's copy count as GPU time), host µs = call − GPU. The graphed kernels are
+  timed twice: with the same tensors every call, and with fresh tensors every call as the decoding engine
+  passes them (clones made before each call, outside the timed region; the previous call's clones are kept
+  alive so that no call sees the previous one's addresses): `graphed_fresh_*`, `verify_*_fresh`.
 """
 
 from __future__ import annotations
@@ -50,15 +54,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _median_us(fn, warmup: int, iters: int) -> float:
+def _median_us(fn, warmup: int, iters: int, setup=None) -> float:
+    """Median wall µs of fn() (fn(setup()) where setup is given: setup runs outside the timed region)."""
     for _ in range(warmup):
-        fn()
+        fn() if setup is None else fn(setup())
     samples = []
     for _ in range(iters):
+        args = None if setup is None else setup()
         t0 = time.perf_counter()
-        fn()
+        fn() if setup is None else fn(args)
         samples.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(samples)
+
+
+def _fresh(*tensors):
+    """A setup for `_median_us`: clones of the tensors on each call, the previous call's clones kept alive
+    (so that the caching allocator cannot hand their addresses to the next call's clones)."""
+    import torch
+
+    held = []
+
+    def setup():
+        clones = tuple(t.clone() for t in tensors)
+        held[:] = held[-len(tensors):] + list(clones)
+        torch.cuda.current_stream().synchronize()  # the clones are done before the clock starts
+        return clones
+
+    return setup
 
 
 def _median_gpu_us(run, warmup: int, iters: int) -> float:
@@ -138,6 +160,7 @@ def correctness(kernels) -> list[dict]:
             t0 = time.perf_counter()
             kernels.launch_sampled(mode, tokens, draft, target, gen, graphs_on=True, **settings)
             row["first_call_ms"] = (time.perf_counter() - t0) * 1e3  # warm-up and capture
+            graphs_after_capture = len(kernels.launcher._graph_cache.keys())
             equal, graphed, fresh, same_draws, previous = True, True, True, True, None
             for _ in range(3):
                 before = gen.get_state()
@@ -153,8 +176,20 @@ def correctness(kernels) -> list[dict]:
                 equal &= all(torch.equal(outputs[k], eager.outputs[k]) for k in outputs) and done.host == eager.host
                 fresh &= previous is None or not torch.equal(u, previous)
                 previous = u
+            # fresh tensors (clones, then other logits of the layout) replay the same graph, deciding for their own
+            fresh_equal = True
+            for seed in (None, 200 + i):
+                args = (tuple(t.clone() for t in (tokens, draft, target)) if seed is None
+                        else _inputs(B, gamma, V, dtype, seed=seed))
+                done = kernels.launch_sampled(mode, *args, gen, graphs_on=True, **settings)
+                graphed &= done.graphed
+                outputs = {k: v.clone() for k, v in done.outputs.items()}
+                eager = kernels.launch(mode, *args, outputs["uniforms"], done.u_res.clone(), **settings)
+                fresh_equal &= all(torch.equal(outputs[k], eager.outputs[k]) for k in outputs) and (
+                    done.host == eager.host)
             row.update(graphed=graphed, equal_to_eager=equal, fresh_uniforms=fresh,
-                       uniforms_equal_eager_draws=same_draws)
+                       uniforms_equal_eager_draws=same_draws, fresh_tensors_equal_to_eager=fresh_equal,
+                       fresh_tensors_same_graph=len(kernels.launcher._graph_cache.keys()) == graphs_after_capture)
             sampling = SamplingConfig(temperature=1.0)
             verify(mode, tokens, draft, target, sampling, gen, backend="cuda")  # the plan verify() keys
             row["syncs_per_call"] = _syncs(lambda: verify(mode, tokens, draft, target, sampling, gen,
@@ -196,10 +231,16 @@ def timing(kernels, args: argparse.Namespace) -> list[dict]:
                 lambda ev: kernels.launch(mode, tokens, draft, target, u, u_res, check=False, events=ev, **opts),
                 warmup, iters)
             row["graphed_call_us"] = _median_us(call, warmup, iters)
+
+            def fresh_call(args, mode=mode):
+                verify(mode, *args, sampling, gen, backend="cuda").host()
+
+            row["graphed_fresh_call_us"] = _median_us(fresh_call, warmup, iters, setup=_fresh(tokens, draft, target))
             row["graphed_gpu_us"] = _median_gpu_us(
                 lambda ev: kernels.launch_sampled(mode, tokens, draft, target, gen, graphs_on=True, events=ev, **opts),
                 warmup, iters)
-            for path in ("eager", "graphed"):
+            row["graphed_fresh_gpu_us"] = row["graphed_gpu_us"]  # the same copy-in and replay either way
+            for path in ("eager", "graphed", "graphed_fresh"):
                 row[f"{path}_host_us"] = row[f"{path}_call_us"] - row[f"{path}_gpu_us"]
                 row[f"{path}_x_baseline"] = row["baseline_us"] / row[f"{path}_call_us"]
         except Exception:
@@ -221,12 +262,15 @@ def _table(report: dict) -> str:
     for r in report.get("correctness", []):
         status = r.get("error", "").strip().splitlines()[-1:] or [
             f"graphed={r.get('graphed')} equal={r.get('equal_to_eager')} fresh={r.get('fresh_uniforms')} "
-            f"same_draws={r.get('uniforms_equal_eager_draws')} syncs={r.get('syncs_per_call')} "
+            f"same_draws={r.get('uniforms_equal_eager_draws')} "
+            f"fresh_tensors={r.get('fresh_tensors_equal_to_eager')} same_graph={r.get('fresh_tensors_same_graph')} "
+            f"syncs={r.get('syncs_per_call')} "
             f"first={r.get('first_call_ms', 0):.1f} ms"]
         lines.append(f"check {r['mode']:7s} B={r['B']} γ={r['gamma']} V={r['V']} {r['dtype']} {r['settings']}: "
                      f"{status[0]}")
     lines.append(f"{'mode':7s} {'B':>2s} {'dtype':5s} {'base µs':>8s} | {'eager':>7s} {'GPU':>6s} {'host':>6s} "
-                 f"{'×base':>6s} | {'graphed':>7s} {'GPU':>6s} {'host':>6s} {'×base':>6s}")
+                 f"{'×base':>6s} | {'graphed':>7s} {'GPU':>6s} {'host':>6s} {'×base':>6s} | {'fresh':>7s} {'host':>6s} "
+                 f"{'×base':>6s}")
     for r in report.get("timing", []):
         if "error" in r:
             lines.append(f"{r['mode']:7s} {r['B']:2d} {r['dtype']:5s} error: {r['error'].strip().splitlines()[-1]}")
@@ -234,8 +278,10 @@ def _table(report: dict) -> str:
         lines.append(f"{r['mode']:7s} {r['B']:2d} {r['dtype']:5s} {r['baseline_us']:8.1f} | "
                      f"{r['eager_call_us']:7.1f} {r['eager_gpu_us']:6.1f} {r['eager_host_us']:6.1f} "
                      f"{r['eager_x_baseline']:6.2f} | {r['graphed_call_us']:7.1f} {r['graphed_gpu_us']:6.1f} "
-                     f"{r['graphed_host_us']:6.1f} {r['graphed_x_baseline']:6.2f}")
-    for name in ("verify_x_baseline", "verify_host_us", "eager_x_baseline", "eager_host_us"):
+                     f"{r['graphed_host_us']:6.1f} {r['graphed_x_baseline']:6.2f} | {r['graphed_fresh_call_us']:7.1f} "
+                     f"{r['graphed_fresh_host_us']:6.1f} {r['graphed_fresh_x_baseline']:6.2f}")
+    for name in ("verify_x_baseline", "verify_host_us", "verify_x_baseline_fresh", "verify_host_us_fresh",
+                 "eager_x_baseline", "eager_host_us"):
         if name in report:
             lines.append(f"{name}: {report[name]:.2f}")
     for part, text in report["errors"].items():
@@ -270,15 +316,17 @@ def main(argv: list[str] | None = None) -> int:
         goal = _goal_row(report.get("timing", []), args)
         if goal is not None and "error" not in goal:
             report.update(verify_x_baseline=goal["graphed_x_baseline"], verify_host_us=goal["graphed_host_us"],
-                          verify_gpu_us=goal["graphed_gpu_us"], eager_x_baseline=goal["eager_x_baseline"],
+                          verify_gpu_us=goal["graphed_gpu_us"],
+                          verify_x_baseline_fresh=goal["graphed_fresh_x_baseline"],
+                          verify_host_us_fresh=goal["graphed_fresh_host_us"], eager_x_baseline=goal["eager_x_baseline"],
                           eager_host_us=goal["eager_host_us"], eager_gpu_us=goal["eager_gpu_us"],
                           goal_met=goal["graphed_host_us"] <= 40 and goal["graphed_x_baseline"] >= 5)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     print(_table(report), flush=True)
     failed = [r for r in report.get("correctness", []) + report.get("timing", []) if "error" in r] + [
-        r for r in report.get("correctness", []) if not all(r.get(k) for k in ("graphed", "equal_to_eager",
-                                                                                "fresh_uniforms"))]
+        r for r in report.get("correctness", []) if not all(r.get(k) for k in (
+            "graphed", "equal_to_eager", "fresh_uniforms", "fresh_tensors_equal_to_eager", "fresh_tensors_same_graph"))]
     return 1 if report["errors"] or failed else 0
 
 

@@ -1,19 +1,27 @@
-"""One CUDA graph per launch plan: the uniforms, both kernels and the readback's copy, replayed in one launch.
+"""One CUDA graph per launch plan and generator: the uniforms, both kernels and the readback's copy, replayed in
+one launch over static inputs the graph owns.
 
 An eager call costs the host 190-400 µs (two `torch.rand` draws, argument packing, two CuPy launches, a copy);
-a replay is one `cudaGraphLaunch`. A graph reads and writes fixed addresses, so it is keyed by the layout of a
-call (`graph_key`'s layout: mode, device, stream, shapes, strides, dtypes, settings) and by the instance
-(generator, data pointers of draft tokens, draft logits and target logits): a call whose tensors sit at the
-captured addresses replays; any other call captures anew (`GraphCache`, an LRU with a capture budget per
-layout, so that callers whose pointers never recur fall back to eager launches instead of capturing forever).
+a replay is one `cudaGraphLaunch`. A graph reads and writes fixed addresses, and the decoding engine hands
+every iteration fresh tensors (`proposal.padded(...)`, stacked draft logits, gathered target logits), so a
+graph keyed by the callers' data pointers almost never replayed there (captures, then eager calls: a median
+0.97 ms per iteration). So each graph owns its inputs: at capture it allocates static draft tokens [B, γ]
+(int64), draft logits [B, γ, V] and target logits [B, γ+1, V] (the call's dtypes, contiguous) and captures
+over those; a call copies its tensors in (`static.copy_(given)` on the call's stream, before the replay; a
+tensor that already is the static one, same address and strides, is not copied; `copy_` handles any strides)
+and replays. The cache (`GraphCache`, an LRU) is keyed by the call's layout (`graph_key`: mode, device,
+stream, shapes, dtypes, settings; not strides, not addresses) and its generator, so every call of a layout hits
+after the first. One lock per graph covers copy-in, replay and readback: two threads never interleave on one
+graph (the device outputs a call returns are the graph's buffer, valid until the next call of its key).
 
 Random numbers: the graph draws u [B, γ] then u_res [B] from the caller's generator with torch's graph-safe
-Philox (the generator is registered with the graph). The captured draws read the seed and a base offset from
-device scalars (u at the base, u_res past what u consumes); before each launch torch writes the generator's
-current seed and offset there and advances the offset by what both draws consume, as two eager `torch.rand`
-calls would. So a replay draws what `specviz.verify.kernel_args` would have drawn from the same generator
-state, fresh on every replay. What differs from the eager path: torch's writes of those scalars (small
-launches before the graph's, on the same stream), and the capture itself consumes no offsets.
+Philox (the generator is registered with the graph, which is why it is part of the key). The captured draws
+read the seed and a base offset from device scalars (u at the base, u_res past what u consumes); before each
+launch torch writes the generator's current seed and offset there and advances the offset by what both draws
+consume, as two eager `torch.rand` calls would. So a replay draws what `specviz.verify.kernel_args` would have
+drawn from the same generator state, fresh on every replay. What differs from the eager path: torch's writes
+of those scalars (small launches before the graph's, on the same stream), and the capture itself consumes no
+offsets. The cache holds generators weakly: a run's graphs go (on the next capture) once its generator does.
 
 Importing this module needs neither CuPy nor a GPU.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, TypeVar
@@ -55,51 +64,50 @@ T = TypeVar("T")
 class GraphCache(Generic[T]):
     """Captured graphs by (layout, instance), least recently used evicted beyond `capacity`.
 
-    Capturing costs milliseconds, so each layout has a budget: it starts at `budget` captures, each capture
-    spends one and each hit earns back `earn` (up to `budget`). A caller whose pointers never recur spends it
-    and then gets None (launch eagerly) until one of its graphs is hit again. `capture` returning None marks
-    the layout as never graphed (e.g. logits that need a cast). Thread-safe: capture runs under the lock, so
-    two threads never capture at once and a key is captured once.
+    instance: what besides the layout a graph is bound to (`graph_key`: a weak reference to the generator).
+    A key is captured once; `capture` returning None marks the layout as never graphed (e.g. logits that
+    need a cast) and the call launches eagerly. An instance that is a dead weak reference can never be hit
+    again (a live reference never equals it): each capture first drops such entries. Thread-safe: capture
+    runs under the lock, so two threads never capture at once and a key is captured once.
     """
 
-    def __init__(self, capacity: int = 16, budget: float = 8.0, earn: float = 1 / 32):
+    def __init__(self, capacity: int = 16):
         self.capacity = capacity
-        self._budget, self._earn = budget, earn
-        # (layout, instance) -> (graph, its layout's credit cell): a hit hashes the key once
-        self._entries: OrderedDict[tuple, tuple[T, list[float]]] = OrderedDict()
-        self._credit: dict[Hashable, list[float]] = {}  # layout -> [captures it may still make]
+        self._entries: OrderedDict[tuple, T] = OrderedDict()  # (layout, instance) -> graph
         self._never: set[Hashable] = set()
         self._lock = threading.Lock()
 
     def get(self, layout: Hashable, instance: Hashable, capture: Callable[[], T | None]) -> T | None:
-        """The graph of this key: cached, or captured now (budget permitting); None: launch eagerly."""
+        """The graph of this key: cached, or captured now; None: launch eagerly (not graphable)."""
         key = (layout, instance)
         with self._lock:
-            found = self._entries.get(key)
-            if found is not None:
+            graph = self._entries.get(key)
+            if graph is not None:
                 self._entries.move_to_end(key)
-                graph, credit = found
-                if credit[0] < self._budget:
-                    credit[0] = min(self._budget, credit[0] + self._earn)
                 return graph
             if layout in self._never:
                 return None
-            credit = self._credit.get(layout)
-            if credit is None:
-                if len(self._credit) > 1024:  # layouts are few; bound the bookkeeping anyway
-                    self._credit.clear()
-                credit = self._credit[layout] = [self._budget]
-            if credit[0] < 1:
-                return None
+            self._drop_dead()
             graph = capture()
             if graph is None:
+                if len(self._never) > 1024:  # layouts are few; bound the bookkeeping anyway
+                    self._never.clear()
                 self._never.add(layout)
                 return None
-            credit[0] -= 1
-            self._entries[key] = (graph, credit)
+            self._entries[key] = graph
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
             return graph
+
+    def peek(self, layout: Hashable, instance: Hashable) -> T | None:
+        """The cached graph of this key, or None; captures nothing and does not count as a use."""
+        with self._lock:
+            return self._entries.get((layout, instance))
+
+    def _drop_dead(self) -> None:
+        dead = [k for k in self._entries if isinstance(k[1], weakref.ref) and k[1]() is None]
+        for k in dead:
+            del self._entries[k]
 
     def keys(self) -> list[tuple]:
         """(layout, instance) of the cached graphs, least recently used first."""
@@ -107,35 +115,47 @@ class GraphCache(Generic[T]):
             return list(self._entries)
 
     def clear(self) -> None:
-        """Drop every graph and reset the budgets."""
+        """Drop every graph and forget the layouts marked never graphed."""
         with self._lock:
             self._entries.clear()
-            self._credit.clear()
             self._never.clear()
 
 
 def graph_key(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
-              generator: torch.Generator | None, stream: int, settings: dict) -> tuple[tuple, tuple]:
-    """(layout, instance) of a call: what its graph's launches depend on besides addresses, and the addresses
-    (with the generator whose state the graph registered). draft_tokens LongTensor[B, γ], draft_logits
-    [B, γ, V], target_logits [B, γ+1, V]; stream: the raw CUDA stream the call runs on.
+              generator: torch.Generator | None, stream: int, settings: dict) -> tuple[tuple, object]:
+    """(layout, instance) of a call. layout: what its graph's launches depend on (mode, device, stream,
+    shapes, dtypes, settings); not strides (the copy-in makes the static inputs contiguous) and not addresses
+    (the graph owns its inputs). instance: a weak reference to the generator the graph registers (None for
+    None). draft_tokens LongTensor[B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V]; stream: the raw
+    CUDA stream the call runs on.
 
     A few attribute reads per tensor (the hit path's whole key; `LaunchSpec` is built only on a capture).
     """
     layout = (mode, target_logits.get_device(), stream, draft_tokens.shape, draft_logits.shape,
-              target_logits.shape, draft_tokens.stride(), draft_logits.stride(), target_logits.stride(),
-              draft_tokens.dtype, draft_logits.dtype, target_logits.dtype, tuple(settings.items()))
-    instance = (id(generator), draft_tokens.data_ptr(), draft_logits.data_ptr(), target_logits.data_ptr())
-    return layout, instance
+              target_logits.shape, draft_tokens.dtype, draft_logits.dtype, target_logits.dtype,
+              tuple(settings.items()))
+    return layout, (None if generator is None else weakref.ref(generator))
+
+
+def static_inputs(draft_tokens: torch.Tensor, draft_logits: torch.Tensor,
+                  target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialized contiguous tensors of these shapes and dtypes on target_logits' device (a graph's inputs)."""
+    device = target_logits.device
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=device)
+                 for t in (draft_tokens, draft_logits, target_logits))
+
+
+def _needs_copy(given: torch.Tensor, static: torch.Tensor) -> bool:
+    return given.data_ptr() != static.data_ptr() or given.stride() != static.stride()
 
 
 @dataclass(eq=False)
 class Graphed:
-    """One captured verification and everything it owns: its state, buffers and pinned readback."""
+    """One captured verification and everything it owns: its inputs, state, buffers and pinned readback."""
 
     graph: torch.cuda.CUDAGraph
-    stream: torch.cuda.Stream  # the caller's stream: replays and the one sync run there
-    generator: torch.Generator  # registered with the graph; held so that its id in the key stays unique
+    stream: torch.cuda.Stream  # the caller's stream: copy-in, replays and the one sync run there
+    inputs: tuple  # (draft tokens [B, γ], draft logits [B, γ, V], target logits [B, γ+1, V]): static, contiguous
     state: torch.Tensor  # int32 zero state of this graph alone; its kernels re-zero it
     u_res: torch.Tensor  # [B], drawn by each replay (u is the "uniforms" output)
     buffer: torch.Tensor  # uint8 outputs then workspace (the graph's pool)
@@ -150,15 +170,21 @@ class Graphed:
         self.outputs.pop("errors")
         self.host_bytes = self.pinned.numpy()
 
-    def run(self, events: tuple | None = None) -> dict[str, list]:
-        """Replay, wait for the copy (the one host sync) and return `host_lists` of the pinned bytes.
+    def run(self, given: tuple, events: tuple | None = None) -> dict[str, list]:
+        """Copy `given` (draft tokens, draft logits, target logits, as `inputs` but any strides) into the
+        inputs, replay, wait for the readback's copy (the one host sync) and return `host_lists` of it.
 
-        events: optional (start, end) torch.cuda.Events recorded around the replay (GPU time). Locked: a
-        second replay must not overwrite the pinned bytes before this one has read them.
+        The caller runs on `stream` (the key says so), so the copies queue there, ahead of the replay; a given
+        tensor that is the static one is not copied. events: optional (start, end) torch.cuda.Events recorded
+        before the copies and after the replay (GPU time). Locked: another call on this graph must neither
+        overwrite the inputs before this replay has read them nor the pinned bytes before this one has read them.
         """
         with self.lock:
             if events is not None:
                 events[0].record(self.stream)
+            for static, tensor in zip(self.inputs, given):
+                if _needs_copy(tensor, static):
+                    static.copy_(tensor)
             self.graph.replay()
             if events is not None:
                 events[1].record(self.stream)
@@ -170,11 +196,10 @@ class Graphed:
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def capture(spec: LaunchSpec, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
-            generator: torch.Generator, state: torch.Tensor, stream: torch.cuda.Stream,
-            launch_kernels: Callable[[list, torch.cuda.Stream], None]) -> Graphed:
-    """Capture one verification of these tensors (draft_tokens LongTensor[B, γ], draft_logits [B, γ, V],
-    target_logits [B, γ+1, V], as `spec` describes them) for replay on `stream`.
+def capture(spec: LaunchSpec, inputs: tuple, generator: torch.Generator, state: torch.Tensor,
+            stream: torch.cuda.Stream, launch_kernels: Callable[[list, torch.cuda.Stream], None]) -> Graphed:
+    """Capture one verification of `inputs` (static_inputs: draft tokens LongTensor[B, γ], draft logits
+    [B, γ, V], target logits [B, γ+1, V], as `spec` describes them) for replay on `stream`.
 
     The caller has warmed the plan up eagerly on `stream` (compile, first launch of each entry point, the
     checks `_prepare` makes) and made `state` (zero int32, `state_size` entries, zeroed on `stream`).
@@ -182,6 +207,7 @@ def capture(spec: LaunchSpec, draft_tokens: torch.Tensor, draft_logits: torch.Te
     """
     import cupy
 
+    draft_tokens, draft_logits, target_logits = inputs
     device = target_logits.device
     B, gamma = spec.batch, spec.gamma
     scratch = torch.Generator(device=device)  # loads torch's uniform kernel without drawing from `generator`
@@ -205,4 +231,4 @@ def capture(spec: LaunchSpec, draft_tokens: torch.Tensor, draft_logits: torch.Te
                                           _DEVICE_TO_HOST, side.cuda_stream)
         finally:
             graph.capture_end()
-    return Graphed(graph, stream, generator, state, u_res, prep.buffer, pinned, spec)
+    return Graphed(graph, stream, inputs, state, u_res, prep.buffer, pinned, spec)

@@ -1,12 +1,14 @@
 """Launching a verification on the GPU (CuPy on torch's current stream) and reading its outputs back.
 
 `launch` takes the caller's uniforms and launches eagerly; `launch_sampled` draws them itself, which lets it
-replay one CUDA graph per plan instead (graphs.py). Importing this module needs neither CuPy nor a GPU: CuPy
-is imported inside the functions that launch.
+replay one CUDA graph per layout and generator instead, over static inputs the call's tensors are copied into
+(graphs.py). Importing this module needs neither CuPy nor a GPU: CuPy is imported inside the functions that
+launch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import warnings
@@ -141,7 +143,7 @@ def launch(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, ta
     return Launched(outputs, host)
 
 
-# Graphs of `launch_sampled`, by layout and addresses (graphs.GraphCache: LRU, capture budget per layout).
+# Graphs of `launch_sampled`, by layout and generator (graphs.GraphCache: LRU; each graph owns its inputs).
 _graph_cache: graphs.GraphCache[graphs.Graphed] = graphs.GraphCache(capacity=16)
 
 
@@ -151,13 +153,16 @@ def launch_sampled(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Te
     """`launch` with check=True that draws its own uniforms from `generator` (None: the device's default):
     u = rand((B, γ)) then u_res = rand((B,)), as `specviz.verify.kernel_args` does.
 
-    Where it can, one CUDA graph per plan does all of it (graphs.py): the draws, both kernels and the copy
-    into pinned memory, then the one sync. Its device outputs are the graph's buffer: valid until the next
-    call with the same tensors. Eager instead (the same draws, then `launch`) when graphs are off
-    (graphs_on=False, or None and `graphs.graphs_enabled()` False), the generator is not a CUDA one, the
-    logits need a cast or a contiguous copy, or the layout spent its capture budget (pointers that never
-    recur). draft_tokens LongTensor[B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V]; settings and
-    errors as `verify_cuda`'s. events: (start, end) CUDA events around the replay, or around the kernels.
+    Where it can, one CUDA graph per layout and generator does all of it (graphs.py): the call's tensors are
+    copied into the graph's static inputs, then one replay makes the draws, runs both kernels and copies into
+    pinned memory, then the one sync. Any tensors of the layout hit the graph (fresh ones every call too);
+    passing the static inputs themselves (`graph_inputs`) skips their copies. Its device outputs are the graph's
+    buffer: valid until the next call of the same layout and generator. Eager instead (the same draws, then
+    `launch`) when graphs are off (graphs_on=False, or None and `graphs.graphs_enabled()` False), the generator
+    is not a CUDA one, the tensors are not all on the logits' device, or the logits need a cast (mixed or
+    unsupported dtypes). draft_tokens LongTensor[B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V];
+    settings and errors as `verify_cuda`'s. events: (start, end) CUDA events around the copy-in and replay,
+    or around the kernels.
     """
     if graphs.graphs_enabled() if graphs_on is None else graphs_on:
         done = _launch_graphed(mode, draft_tokens, draft_logits, target_logits, generator, events, settings)
@@ -171,46 +176,77 @@ def launch_sampled(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Te
     return done
 
 
-def _launch_graphed(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
-                    generator: torch.Generator | None, events: tuple | None, settings: dict) -> Launched | None:
-    """`launch_sampled` through its plan's graph (captured on the first call); None where no graph applies."""
+def _graph_key(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+               generator: torch.Generator | None, settings: dict) -> tuple | None:
+    """(layout, instance, generator) of a call's graph (the generator resolved: None is the device's
+    default); None where no graph applies (CPU tensors or generator, tensors on different devices)."""
     if not target_logits.is_cuda or generator is not None and generator.device.type != "cuda":
         return None
     index = target_logits.get_device()
+    if draft_tokens.get_device() != index or draft_logits.get_device() != index:
+        return None  # eager: `launch` names the stray tensor (a copy-in would move it silently)
+    if generator is None:
+        generator = torch.cuda.default_generators[index]
     layout, instance = graphs.graph_key(mode, draft_tokens, draft_logits, target_logits, generator,
                                         torch._C._cuda_getCurrentRawStream(index), settings)
+    return layout, instance, generator
+
+
+def _launch_graphed(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                    generator: torch.Generator | None, events: tuple | None, settings: dict) -> Launched | None:
+    """`launch_sampled` through its layout's graph (captured on the first call); None where no graph applies."""
+    key = _graph_key(mode, draft_tokens, draft_logits, target_logits, generator, settings)
+    if key is None:
+        return None
+    layout, instance, gen = key
     graph = _graph_cache.get(layout, instance, lambda: _capture(mode, draft_tokens, draft_logits, target_logits,
-                                                                generator, settings))
+                                                                gen, settings))
     if graph is None:
         return None
-    host = graph.run(events)
+    host = graph.run((draft_tokens, draft_logits, target_logits), events)
     raise_for_errors(host.pop("errors"), graph.spec.vocab)
     return Launched(dict(graph.outputs), host, graph.u_res, True)
 
 
+def graph_inputs(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                 generator: torch.Generator | None, **settings: float | None) -> tuple | None:
+    """The static inputs (draft tokens, draft logits, target logits) of the graph that `launch_sampled` with
+    these arguments would replay, or None while there is none (nothing is captured here). A caller that
+    writes its tensors there and passes those saves the copy-in; they are rewritten by any call of the same
+    layout and generator that passes other tensors."""
+    key = _graph_key(mode, draft_tokens, draft_logits, target_logits, generator, settings)
+    graph = None if key is None else _graph_cache.peek(key[0], key[1])
+    return None if graph is None else graph.inputs
+
+
 def _capture(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
-             generator: torch.Generator | None, settings: dict) -> graphs.Graphed | None:
-    """Warm the plan up eagerly and capture its graph; None when it should stay eager (the logits need a
-    cast or a contiguous copy: a graph would hold a private copy of them). Raises as `launch` does."""
+             generator: torch.Generator, settings: dict) -> graphs.Graphed | None:
+    """Allocate the layout's static inputs, copy this call's tensors in, warm the plan up eagerly on them and
+    capture its graph over them; None when it should stay eager (the logits need a cast). Raises as `launch`
+    does (shapes, settings)."""
     import cupy
 
     device = target_logits.device
     B, gamma = draft_tokens.shape if draft_tokens.dim() == 2 else (1, 1)  # else LaunchSpec.of raises
     u = torch.full((B, gamma), 0.5, device=device)  # warm-up uniforms: the generator is not drawn from
     u_res = torch.full((B,), 0.5, device=device)
-    spec = LaunchSpec.of(mode, draft_tokens, draft_logits, target_logits, u, u_res, sms=_sm_count(device.index),
-                         **settings)
-    plan = _cached_plan(spec)
-    if plan.cast or plan.copy_target or plan.copy_draft:
+    given = LaunchSpec.of(mode, draft_tokens, draft_logits, target_logits, u, u_res, sms=_sm_count(device.index),
+                          **settings)
+    V = given.vocab
+    spec = dataclasses.replace(given, draft_strides=(gamma * V, V, 1), target_strides=((gamma + 1) * V, V, 1))
+    plan = _cached_plan(spec)  # validates the settings
+    if plan.cast:
         return None
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
+        inputs = graphs.static_inputs(draft_tokens, draft_logits, target_logits)
+        for static, tensor in zip(inputs, (draft_tokens, draft_logits, target_logits)):
+            static.copy_(tensor)
         state = torch.zeros(plan.state_entries, dtype=torch.int32, device=device)
-        # eagerly once: `_prepare`'s checks (devices) raise here, and every entry point has run before capture
-        prep = _prepare(spec, draft_tokens, draft_logits, target_logits, u, u_res, state)
+        # eagerly once: every entry point has run before capture
+        prep = _prepare(spec, *inputs, u, u_res, state)
         _launch_kernels(cupy, device.index, prep.launches, stream)
-        gen = generator if generator is not None else torch.cuda.default_generators[device.index]
-        return graphs.capture(spec, draft_tokens, draft_logits, target_logits, gen, state, stream,
+        return graphs.capture(spec, inputs, generator, state, stream,
                               lambda launches, on: _launch_kernels(cupy, device.index, launches, on))
 
 

@@ -134,8 +134,8 @@ def verify_kernels(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Te
     generator's seed and offset at each replay and advances the offset by what the two draws consume, so the
     uniforms are the ones `kernel_args` would draw from the same state (same Philox offsets); what differs is
     only torch's work around them (the seed and offset written to the device before each replay; the capture
-    consumes no offsets). The result's tensors are then the graph's buffer, rewritten by its next replay:
-    read them (or host()) before the next verification of the same tensors.
+    consumes no offsets). The result's tensors are then the graph's buffer, rewritten by its next replay (the
+    next verification of the same shapes and generator): read them (or host()) before that.
     """
     kernels = project_kernels()
     how, scale, topk, top_p = kernel_sampling(mode, sampling, target_logits.shape[-1])

@@ -21,7 +21,8 @@ launch torch writes the generator's current seed and offset there and advances t
 consume, as two eager `torch.rand` calls would. So a replay draws what `specviz.verify.kernel_args` would have
 drawn from the same generator state, fresh on every replay. What differs from the eager path: torch's writes
 of those scalars (small launches before the graph's, on the same stream), and the capture itself consumes no
-offsets. The cache holds generators weakly: a run's graphs go (on the next capture) once its generator does.
+offsets. A graph holds its generator (torch 2.11's CUDA generators take no weak references); the cache's LRU
+bound (16) is what lets a finished run's graphs go.
 
 Importing this module needs neither CuPy nor a GPU.
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, TypeVar
@@ -64,11 +64,11 @@ T = TypeVar("T")
 class GraphCache(Generic[T]):
     """Captured graphs by (layout, instance), least recently used evicted beyond `capacity`.
 
-    instance: what besides the layout a graph is bound to (`graph_key`: a weak reference to the generator).
-    A key is captured once; `capture` returning None marks the layout as never graphed (e.g. logits that
-    need a cast) and the call launches eagerly. An instance that is a dead weak reference can never be hit
-    again (a live reference never equals it): each capture first drops such entries. Thread-safe: capture
-    runs under the lock, so two threads never capture at once and a key is captured once.
+    instance: what besides the layout a graph is bound to (`graph_key`: the id of the generator, which the
+    graph holds, so the id stays its own while the graph is cached). A key is captured once; `capture`
+    returning None marks the layout as never graphed (e.g. logits that need a cast) and the call launches
+    eagerly. Thread-safe: capture runs under the lock, so two threads never capture at once and a key is
+    captured once.
     """
 
     def __init__(self, capacity: int = 16):
@@ -87,7 +87,6 @@ class GraphCache(Generic[T]):
                 return graph
             if layout in self._never:
                 return None
-            self._drop_dead()
             graph = capture()
             if graph is None:
                 if len(self._never) > 1024:  # layouts are few; bound the bookkeeping anyway
@@ -103,11 +102,6 @@ class GraphCache(Generic[T]):
         """The cached graph of this key, or None; captures nothing and does not count as a use."""
         with self._lock:
             return self._entries.get((layout, instance))
-
-    def _drop_dead(self) -> None:
-        dead = [k for k in self._entries if isinstance(k[1], weakref.ref) and k[1]() is None]
-        for k in dead:
-            del self._entries[k]
 
     def keys(self) -> list[tuple]:
         """(layout, instance) of the cached graphs, least recently used first."""
@@ -125,7 +119,7 @@ def graph_key(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor,
               generator: torch.Generator | None, stream: int, settings: dict) -> tuple[tuple, object]:
     """(layout, instance) of a call. layout: what its graph's launches depend on (mode, device, stream,
     shapes, dtypes, settings); not strides (the copy-in makes the static inputs contiguous) and not addresses
-    (the graph owns its inputs). instance: a weak reference to the generator the graph registers (None for
+    (the graph owns its inputs). instance: the id of the generator the graph registers and holds (None for
     None). draft_tokens LongTensor[B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V]; stream: the raw
     CUDA stream the call runs on.
 
@@ -134,7 +128,8 @@ def graph_key(mode: str, draft_tokens: torch.Tensor, draft_logits: torch.Tensor,
     layout = (mode, target_logits.get_device(), stream, draft_tokens.shape, draft_logits.shape,
               target_logits.shape, draft_tokens.dtype, draft_logits.dtype, target_logits.dtype,
               tuple(settings.items()))
-    return layout, (None if generator is None else weakref.ref(generator))
+    # an id, not a weak reference: torch 2.11's CUDA generators take none (seen on the H200); the graph holds it
+    return layout, (None if generator is None else id(generator))
 
 
 def static_inputs(draft_tokens: torch.Tensor, draft_logits: torch.Tensor,
@@ -161,6 +156,7 @@ class Graphed:
     buffer: torch.Tensor  # uint8 outputs then workspace (the graph's pool)
     pinned: torch.Tensor  # uint8 [out_bytes], pinned host copy of the outputs
     spec: LaunchSpec
+    generator: torch.Generator | None = None  # registered with the graph; held so that its id in the key stays unique
     outputs: dict = field(init=False)  # device views of `buffer`, made once
     host_bytes: np.ndarray = field(init=False)  # numpy view of `pinned`, made once
     lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -231,4 +227,4 @@ def capture(spec: LaunchSpec, inputs: tuple, generator: torch.Generator, state: 
                                           _DEVICE_TO_HOST, side.cuda_stream)
         finally:
             graph.capture_end()
-    return Graphed(graph, stream, inputs, state, u_res, prep.buffer, pinned, spec)
+    return Graphed(graph, stream, inputs, state, u_res, prep.buffer, pinned, spec, generator)

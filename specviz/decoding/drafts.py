@@ -80,9 +80,11 @@ class SubsetHead:
     def size(self) -> int:
         return len(self.ids)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [b, k, H] -> float logits [b, k, V]
-        z = self.linear(hidden.float() if self.quantized else hidden).float()
-        out = torch.full((*z.shape[:-1], self.vocab_size), float("-inf"), device=z.device)
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [b, k, H] -> logits [b, k, V]
+        """Logits in the head's own dtype (fp32 on the CPU; a bf16 GPU model's stay bf16, like the target's, so
+        that the verification kernels read both without a cast and run as one graph)."""
+        z = self.linear(hidden.float() if self.quantized else hidden)
+        out = torch.full((*z.shape[:-1], self.vocab_size), float("-inf"), dtype=z.dtype, device=z.device)
         return out.index_copy_(-1, self.ids, z)
 
 

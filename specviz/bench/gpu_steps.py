@@ -164,25 +164,32 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
 
     vocab = 151936
-    out["verify"] = {f"B{b}G{g}": time_verify(b, g, vocab, dtype) for b, g in ((1, 5), (8, 4))}
+    out["verify"] = {}
+    for b, g in ((1, 5), (8, 4)):
+        try:
+            out["verify"][f"B{b}G{g}"] = time_verify(b, g, vocab, dtype)
+        except Exception as e:  # noqa: BLE001 (the step figures stand without it; the goals needing it are left out)
+            out["errors"][f"verify/B{b}G{g}"] = f"{type(e).__name__}: {e}"
     g_ = costs.get("target", {}).get("graphs", {})
     d_ = costs.get("draft", {}).get("graphs", {})
     t7 = costs.get("target7b", {}).get("graphs", {})
     goals = {}
+    verify = out["verify"]
     if g_ and d_:
         goals["draft_over_target"] = d_["B1W1"]["ms"] / g_["B1W1"]["ms"]
         goals["six_over_one"] = g_["B1W6"]["ms"] / g_["B1W1"]["ms"]
-        goals["bass8_iteration_over_target_only"] = (
-            4 * d_["B8W1"]["ms"] + g_["B8W5"]["ms"] + out["verify"]["B8G4"]["ms"]) / g_["B8W1"]["ms"]
+        if "B8G4" in verify:
+            goals["bass8_iteration_over_target_only"] = (
+                4 * d_["B8W1"]["ms"] + g_["B8W5"]["ms"] + verify["B8G4"]["ms"]) / g_["B8W1"]["ms"]
     alphas = bundled_alphas(Path(__file__).resolve().parents[2] / "docs" / "results")
     out["alphas_cpu"] = alphas
+    if t7 and d_:
+        goals["draft_over_target_7b"] = d_["B1W1"]["ms"] / t7["B1W1"]["ms"]
     for label, target in (("", g_), ("_7b", t7)):
-        if not (target and d_):
+        if not (target and d_ and "B1G5" in verify):
             continue
-        if label:
-            goals["draft_over_target_7b"] = d_["B1W1"]["ms"] / target["B1W1"]["ms"]
         scores = {int(k.split("W")[1]): v["ms"] for k, v in target.items() if k.startswith("B1W")}
-        preds = {a: predicted_speedup(alpha, d_["B1W1"]["ms"], scores, out["verify"]["B1G5"]["ms"])
+        preds = {a: predicted_speedup(alpha, d_["B1W1"]["ms"], scores, verify["B1G5"]["ms"])
                  for a, alpha in alphas.items()}
         out["predicted" + label] = {a: {"speedup": s, "gamma": gm} for a, (s, gm) in preds.items()}
         if preds:

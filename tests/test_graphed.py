@@ -182,6 +182,50 @@ def test_workspaces_are_reused_and_cleared():
     assert other.cache.workspace is not workspace
 
 
+class _StandIn:
+    """A CUDA graph's stand-in on the CPU: `replay` runs the captured function again into the same output tensor,
+    reading the static inputs as a graph would. Drives the capture bookkeeping (keys, static inputs, reuse)."""
+
+    def __init__(self, run, out):
+        self.run, self.out, self.replays = run, out, 0
+
+    def replay(self) -> None:
+        self.out.copy_(self.run())
+        self.replays += 1
+
+
+def _stand_in_capture(log: list):
+    def capture(run, device, pool):
+        run()  # the warm-up run before a capture
+        graph = _StandIn(run, run())
+        log.append(graph)
+        return graph, graph.out
+    return capture
+
+
+@torch.inference_mode()
+def test_graph_bookkeeping_with_a_stand_in_for_cuda_graphs():
+    """Through the graph path with a stand-in capture: every replay reads the call's own inputs (copied into the
+    static ones), the logits match transformers' through ragged feeds, rollbacks and a row selection, a step
+    shape is captured once, and the next decoder of the same shape replays the first one's graphs."""
+    ref, static = _models()
+    log: list[_StandIn] = []
+    static.graphed_forward = graphed.GraphedForward(static, capture=_stand_in_capture(log))
+    g = torch.Generator().manual_seed(41)
+    prompts = [_tokens(g, 40), _tokens(g, 36)]  # wider than MAX_GRAPH_WIDTH: read eagerly
+    new = CausalLMDecoder(static, VOCAB, 2)
+    _drive(new, CausalLMDecoder(ref, VOCAB, 2), prompts, seed=42, steps=10)
+    shapes = set(new.cache.workspace.graphs)
+    assert len(log) == len(shapes) and sum(x.replays for x in log) > len(log)  # replayed, not recaptured
+    workspace, captured = new.cache.workspace, len(log)
+    del new
+    again = CausalLMDecoder(static, VOCAB, 2)
+    again.prefill(prompts)
+    B, W, keep, _ = next(k for k in shapes if k[0] == 2)
+    again.forward([[5] * W, [6] * W], keep)
+    assert again.cache.workspace is workspace and len(log) == captured
+
+
 def test_decoding_through_static_steps_matches_transformers(tiny_pair, prompt_ids):
     """The driver end to end, greedy, on the pair with static steps: the same tokens as transformers' forward."""
     from dataclasses import replace

@@ -135,13 +135,17 @@ class GraphedForward:
 
     ROTARY_TABLE_POSITIONS = 262144  # at most this many positions' rotary values are tabled (16 MB per 32K at D = 128)
 
-    def __init__(self, model: nn.Module, graphs: bool = True, attention: str = "matmul"):
+    def __init__(self, model: nn.Module, graphs: bool = True, attention: str = "matmul", capture=None):
+        """capture(run, device, pool) -> (graph with replay(), output): how a step shape is captured; default
+        `cuda_graph` on CUDA when `graphs`, none (eager steps) elsewhere. Tests pass a stand-in to drive the
+        graph bookkeeping on the CPU."""
         cfg = model.config
         if attention not in ATTENTION:
             raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION)}")
         self.model, self.attention = model, attention
         self.device, self.dtype = model.device, model.dtype
-        self.graphs = graphs and self.device.type == "cuda"
+        self.capture = capture if capture is not None else (cuda_graph if graphs and self.device.type == "cuda" else None)
+        self.graphs = self.capture is not None
         self.embed = model.model.embed_tokens.weight
         self.layers = [_Layer.of(layer) for layer in model.model.layers]
         self.norm, self.eps = model.model.norm.weight, model.model.norm.variance_epsilon
@@ -266,11 +270,27 @@ def capacity_for(slots: int) -> int:
     return -(-(slots + HEADROOM) // ALIGN) * ALIGN
 
 
+def cuda_graph(run: Callable[[], torch.Tensor], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `run` as a CUDA graph in `pool` -> (the graph, the output tensor its replays write). The warm-up run
+    before capturing (cuBLAS picks and allocates its workspaces outside the capture) writes the same keys and
+    values the replays will."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another page session's thread may launch work while this one captures
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, out
+
+
 @dataclass
 class _Captured:
     """One step shape's graph and the static tensors it reads and writes."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: "torch.cuda.CUDAGraph"  # or whatever the forward's `capture` returns: anything with replay()
     inputs: torch.Tensor  # LongTensor[2·B·W + 1]: ids, positions, start, copied in with one transfer
     out: torch.Tensor  # [B, keep, V]
 
@@ -296,8 +316,9 @@ class Workspace:
         self.values = [torch.zeros(shape, dtype=f.dtype, device=f.device) for _ in f.layers]
         self.valid = torch.zeros((self.batch, self.capacity), dtype=torch.bool, device=f.device)
         # one memory pool per workspace: its graphs run one after another (one decoder), never beside another's
-        self.pool = torch.cuda.graph_pool_handle() if f.graphs else None
+        self.pool = torch.cuda.graph_pool_handle() if f.graphs and f.device.type == "cuda" else None
 
+    @torch.inference_mode()  # the buffers were made under it (decoding runs there), so are written under it
     def clear(self) -> None:
         for t in (*self.keys, *self.values):
             t.zero_()
@@ -322,8 +343,8 @@ class Workspace:
         return captured.out.clone()
 
     def _capture(self, f: GraphedForward, packed: torch.Tensor, B: int, W: int, keep: int, head) -> _Captured:
-        """Capture the step of this shape; the first run (on the capture's stream, before capturing) is the real
-        call: it writes the same keys and values the replays will."""
+        """Capture the step of this shape over static inputs (a copy of this call's) and run it once: this call's
+        result is the first replay's."""
         keys, values = [k[:B] for k in self.keys], [v[:B] for v in self.values]
         inputs = packed.clone()
         ids, positions = inputs[: B * W].view(B, W), inputs[B * W: 2 * B * W].view(B, W)
@@ -332,15 +353,7 @@ class Workspace:
         def run() -> torch.Tensor:
             return head(f.hidden(ids, positions, start, self.valid[:B], keys, values, keep))
 
-        stream = torch.cuda.Stream(device=f.device)
-        stream.wait_stream(torch.cuda.current_stream(f.device))
-        with torch.cuda.stream(stream):
-            run()  # warm-up: cuBLAS picks and allocates its workspaces outside the capture
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another page session's thread may launch work while this one captures
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-            out = run()
-        torch.cuda.current_stream(f.device).wait_stream(stream)
+        graph, out = f.capture(run, f.device, self.pool)
         graph.replay()
         return _Captured(graph, inputs, out)
 

@@ -135,7 +135,8 @@ class GraphedForward:
 
     ROTARY_TABLE_POSITIONS = 262144  # at most this many positions' rotary values are tabled (16 MB per 32K at D = 128)
 
-    def __init__(self, model: nn.Module, graphs: bool = True, attention: str = "matmul", capture=None):
+    def __init__(self, model: nn.Module, graphs: bool = True, attention: str = "matmul",
+                 capture: Callable[..., tuple] | None = None):
         """capture(run, device, pool) -> (graph with replay(), output): how a step shape is captured; default
         `cuda_graph` on CUDA when `graphs`, none (eager steps) elsewhere. Tests pass a stand-in to drive the
         graph bookkeeping on the CPU."""

@@ -114,11 +114,13 @@ def test_ragged_batch_and_prompt_merge_match_transformers():
     _drive(CausalLMDecoder(static, VOCAB, 3), CausalLMDecoder(ref, VOCAB, 3), prompts, seed=4)
 
 
-def test_sdpa_attention_matches_transformers(monkeypatch):
-    """The other attention path (torch's fused kernel, kept for measurement beside the two matrix products)."""
-    monkeypatch.setenv("SPECVIZ_STEP_ATTENTION", "sdpa")
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_other_attention_paths_match_transformers(monkeypatch, attention):
+    """The other attention paths, kept for measurement beside the two matrix products: torch's fused kernel, and
+    'triton' (here on the references: no GPU; its kernels run under the interpreter in another test)."""
+    monkeypatch.setenv("SPECVIZ_STEP_ATTENTION", attention)
     ref, static = _models()
-    assert static.graphed_forward.attention == "sdpa"
+    assert static.graphed_forward.attention == attention
     g = torch.Generator().manual_seed(31)
     _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 7), _tokens(g, 12)],
            seed=32, steps=5)
@@ -251,11 +253,12 @@ def _fused_checks() -> None:
     cpu = torch.device("cpu")
     for dtype in (torch.float32, torch.bfloat16):  # odd shapes: hidden 96, intermediate 80, 6 heads over 2
         assert fused._self_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
-    ref, static = _models()
-    static.graphed_forward.ops = fused.Ops(True)
-    g = torch.Generator().manual_seed(21)
-    _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 9), _tokens(g, 4)],
-           seed=22, steps=5)
+    for attention in ("matmul", "triton"):  # triton: attention split over the keys in two kernels too
+        ref, static = _models()
+        static.graphed_forward.ops, static.graphed_forward.attention = fused.Ops(True), attention
+        g = torch.Generator().manual_seed(21)
+        _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 9), _tokens(g, 4)],
+               seed=22, steps=5)
     right = fused.silu_mul_triton
     fused.silu_mul_triton = lambda gu: right(gu) * 1.05  # a kernel that is off is caught
     assert "silu_mul differs" in fused._self_check(cpu, torch.float32, 96, 80, 6, 2, 16, 1e-6)

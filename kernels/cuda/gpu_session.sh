@@ -103,7 +103,7 @@ steps)
   pack() { tar czf "$out/steps.tgz" -C "$o" . ; }
   versions 2>&1 | tee "$o/versions.txt"
   timeout 90 python3 -m pytest tests/test_graphed.py tests/test_sampling.py -q -rs -m gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$o/gpu-tests-graphed.log"; pack
-  timeout 200 python3 -m specviz.bench.gpu_steps --reps 30 --json "$o/gpu-steps.json" --modes graphs graphs-sdpa transformers \
+  timeout 200 python3 -m specviz.bench.gpu_steps --reps 30 --json "$o/gpu-steps.json" --modes graphs graphs-triton graphs-sdpa transformers \
     --configs draft=.gpu/config-draft.json target=.gpu/config-target.json target7b=.gpu/config-target7b.json \
     2>&1 | grep -v Warning | tee "$o/gpu-steps.txt"; pack
   timeout 100 python3 kernels/cuda/graph_check.py --json "$o/verify-graph.json" 2>&1 | tail -30 | tee "$o/verify-graph.txt"; pack

@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", required=True, help="NAME=config.json (names: draft, target, target7b)")
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--modes", nargs="+", default=["graphs", "graphs-sdpa", "eager", "transformers"],
-                   choices=[*graphed.MODES, "graphs-sdpa"], help="graphs-sdpa: graphs, attention through torch's sdpa")
+    p.add_argument("--modes", nargs="+", default=["graphs", "graphs-triton", "graphs-sdpa", "eager", "transformers"],
+                   choices=[*graphed.MODES, "graphs-sdpa", "graphs-triton"],
+                   help="graphs-sdpa / graphs-triton: graphs, attending through torch's sdpa / the split Triton kernels")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     dtype = torch.bfloat16
@@ -142,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         costs[name] = {}
         for mode in args.modes if name != "target7b" else ["graphs", "transformers"]:
-            os.environ["SPECVIZ_STEP_ATTENTION"] = "sdpa" if mode == "graphs-sdpa" else "matmul"
-            graphed.attach(model, mode.removesuffix("-sdpa"))
+            os.environ["SPECVIZ_STEP_ATTENTION"] = mode.split("-")[1] if "-" in mode else "matmul"
+            graphed.attach(model, mode.split("-")[0])
             if model.graphed_forward is not None:
                 ops = model.graphed_forward.ops
                 out.setdefault("fused_kernels", {})[f"{name}/{mode}"] = ops.fused or ops.why

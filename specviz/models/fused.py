@@ -7,7 +7,10 @@ and the residual adds), against 4 matrix products. Three kernels do that work he
 - `add_rms_norm`: the residual add and the next RMS norm (one read of the row);
 - `rope_store`: rotary on q and k, q written grouped by key head (the layout attention reads), k and v written
   straight into the cache's slots;
-- `silu_mul`: SiLU(gate) · up.
+- `silu_mul`: SiLU(gate) · up;
+- `attend` (opt-in, SPECVIZ_STEP_ATTENTION=triton; not yet measured on a GPU): attention split over the keys
+  and combined straight into the output projection's layout, two kernels where two matrix products, a softmax,
+  the bias's copy and a transpose take five.
 
 Each has a torch reference with transformers' operation order (rounding to the model's dtype where it rounds);
 the kernels compute each output in fp32 and round once, so they agree with it up to that rounding. Which one a
@@ -52,6 +55,19 @@ def rope_store_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, star
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [B, heads, W, D]
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
+               W: int) -> torch.Tensor:
+    """q [B, Hkv, G·W, D] (query g·W + w of key head k is head k·G + g) over keys, values [B, Hkv, C, D] with the
+    additive mask bias [B, 1, G·W, C] -> [B·W, H·D], the layout the output projection reads: two batched matrix
+    products around a softmax, as transformers' eager attention (scores in the dtype, softmax in fp32)."""
+    B, Hkv, M, D = q.shape
+    C = keys.shape[2]
+    scores = torch.baddbmm(bias.expand(B, Hkv, M, C).reshape(B * Hkv, M, C), q.reshape(B * Hkv, M, D),
+                           keys.reshape(B * Hkv, C, D).transpose(1, 2), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * Hkv, C, D))  # [B·Hkv, G·W, D]
+    return out.view(B, Hkv, M // W, W, D).permute(0, 3, 1, 2, 4).reshape(B * W, Hkv * (M // W) * D)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # gate_up [R, 2·I] -> [R, I]
@@ -134,14 +150,71 @@ def _triton_kernels():
         s = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32)  # SiLU rounds, as F.silu's output
         tl.store(out_ptr + r * I + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
-    _kernels = (triton, add_rms_norm_kernel, rope_store_kernel, silu_mul_kernel)
+    @triton.jit
+    def attend_split_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, part_ptr, ml_ptr, M, C, HKV, S, stride_b, stride_h,
+                            scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+        bh = tl.program_id(0)  # b·HKV + key head
+        s = tl.program_id(1)  # this program's SPLIT keys
+        b = bh // HKV
+        rows = tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        live = rows < M
+        # products in fp32 (tf32 keeps a bf16 / fp16 input's every bit; fp32 models ask for ieee)
+        q = tl.load(q_ptr + (bh * M + rows[:, None]) * D + dims[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        kv = b * stride_b + (bh % HKV) * stride_h
+        for i in range(0, SPLIT // BLOCK_N):
+            cols = s * SPLIT + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            seen = cols < C
+            k = tl.load(k_ptr + kv + cols[:, None] * D + dims[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N], fp32
+            bias = tl.load(bias_ptr + (b * M + rows[:, None]) * C + cols[None, :],
+                           mask=live[:, None] & seen[None, :], other=float("-inf"))
+            scores += bias.to(tl.float32)
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: every weight stays 0
+            p = tl.exp(scores - m_safe[:, None])
+            rescale = tl.exp(m_i - m_safe)
+            l_i = l_i * rescale + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv + cols[:, None] * D + dims[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+        at = (bh * S + s) * BLOCK_M + rows
+        tl.store(part_ptr + at[:, None] * D + dims[None, :], acc, mask=live[:, None])
+        tl.store(ml_ptr + at * 2, m_i, mask=live)
+        tl.store(ml_ptr + at * 2 + 1, l_i, mask=live)
+
+    @triton.jit
+    def attend_combine_kernel(part_ptr, ml_ptr, out_ptr, M, W, G, HKV, S, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+        bh = tl.program_id(0)
+        r = tl.program_id(1)  # query g·W + w
+        splits = tl.arange(0, BLOCK_S)
+        here = splits < S
+        at = (bh * S + splits) * BLOCK_M + r
+        m = tl.load(ml_ptr + at * 2, mask=here, other=float("-inf"))
+        l = tl.load(ml_ptr + at * 2 + 1, mask=here, other=0.0)
+        weight = tl.where(here, tl.exp(m - tl.max(m, axis=0)), 0.0)  # a row sees at least one key: max finite
+        dims = tl.arange(0, D)
+        part = tl.load(part_ptr + at[:, None] * D + dims[None, :], mask=here[:, None], other=0.0)
+        o = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight * l, axis=0)
+        b = bh // HKV
+        w = r % W
+        head = (bh % HKV) * G + r // W
+        tl.store(out_ptr + (b * W + w) * (HKV * G * D) + head * D + dims, o.to(out_ptr.dtype.element_ty))
+
+    _kernels = (triton, add_rms_norm_kernel, rope_store_kernel, silu_mul_kernel, attend_split_kernel,
+                attend_combine_kernel)
     return _kernels
 
 
 def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_ref's contract; x, delta contiguous [R, N]."""
-    triton, kernel, _, _ = _triton_kernels()
+    triton, kernel = _triton_kernels()[:2]
     R, N = x.shape
     x_out = torch.empty_like(x) if delta is not None else x
     h = torch.empty_like(x)
@@ -153,7 +226,7 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, weight: tor
 def rope_store_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor, W: int,
                       heads: int, kv_heads: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """rope_store_ref's contract; qkv, cos, sin contiguous; keys and values share strides, last two dims dense."""
-    _, _, kernel, _ = _triton_kernels()
+    kernel = _triton_kernels()[2]
     D = cos.shape[-1]
     B = qkv.shape[0] // W
     G = heads // kv_heads
@@ -164,11 +237,36 @@ def rope_store_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # gate_up contiguous [R, 2·I] -> [R, I]
-    _, _, _, kernel = _triton_kernels()
+    kernel = _triton_kernels()[3]
     R, I2 = gate_up.shape
     out = torch.empty((R, I2 // 2), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     kernel[(R, -(-(I2 // 2) // block))](gate_up, out, I2 // 2, BLOCK=block)
+    return out
+
+
+ATTEND_SPLIT = 128  # keys per program: a few hundred programs over 2,048 slots, whatever the key heads
+ATTEND_MAX_ROWS = 64  # queries per key head (G·W) one program holds; wider calls attend through attend_ref
+
+
+def attend_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
+                  W: int) -> torch.Tensor:
+    """attend_ref's contract in two kernels (split over keys, then combined into the output's layout), where
+    attend_ref takes five (the bias copied into the scores, two products, the softmax, the transpose). q, bias
+    contiguous; keys and values share strides, last two dims dense."""
+    triton, split_kernel, combine_kernel = (lambda k: (k[0], k[4], k[5]))(_triton_kernels())
+    B, Hkv, M, D = q.shape
+    C = keys.shape[2]
+    S = triton.cdiv(C, ATTEND_SPLIT)
+    block_m = max(16, triton.next_power_of_2(M))
+    part = torch.empty((B * Hkv * S * block_m, D), dtype=torch.float32, device=q.device)
+    ml = torch.empty((B * Hkv * S * block_m, 2), dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16 / fp16 inputs exactly
+    split_kernel[(B * Hkv, S)](q, keys, values, bias, part, ml, M, C, Hkv, S, keys.stride(0), keys.stride(1), scale,
+                               D=D, BLOCK_M=block_m, BLOCK_N=64, SPLIT=ATTEND_SPLIT, PRECISION=precision)
+    out = torch.empty((B * W, Hkv * (M // W) * D), dtype=q.dtype, device=q.device)
+    combine_kernel[(B * Hkv, M)](part, ml, out, M, W, M // W, Hkv, S, D=D, BLOCK_M=block_m,
+                                 BLOCK_S=triton.next_power_of_2(S))
     return out
 
 
@@ -180,6 +278,7 @@ class Ops:
         self.add_rms_norm = add_rms_norm_triton if fused else add_rms_norm_ref
         self.rope_store = rope_store_triton if fused else rope_store_ref
         self.silu_mul = silu_mul_triton if fused else silu_mul_ref
+        self.attend = attend_triton if fused else attend_ref
 
 
 REFERENCE = Ops(False, "the torch operations (no GPU)")
@@ -228,4 +327,12 @@ def _self_check(device, dtype, hidden, intermediate, heads, kv_heads, D, eps) ->
     for name, a, b in (("q", qa, qb), ("keys", *[c[0] for c in caches]), ("values", *[c[1] for c in caches])):
         if not torch.allclose(a.float(), b.float(), **tol):
             return f"rope_store's {name} differ from the reference by {(a.float() - b.float()).abs().max():.3g}"
+    G, C = heads // kv_heads, 300  # more keys than one program's split, and not a multiple of it
+    q, keys, values = rand(B, kv_heads, G * W, D), rand(B, kv_heads, C, D), rand(B, kv_heads, C, D)
+    seen = torch.rand((B, 1, G * W, C), generator=g, device=device) < 0.7
+    seen[..., 0] = True  # every query sees a key
+    bias = torch.zeros((B, 1, G * W, C), dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+    a, b = attend_triton(q, keys, values, bias, D ** -0.5, W), attend_ref(q, keys, values, bias, D ** -0.5, W)
+    if not torch.allclose(a.float(), b.float(), **tol):
+        return f"attend differs from the reference by {(a.float() - b.float()).abs().max():.3g}"
     return None

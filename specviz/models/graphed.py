@@ -45,7 +45,7 @@ HEADROOM = 1024  # slots a workspace holds beyond its first write: a run's new t
 ALIGN = 256  # capacities are multiples of this, so runs on prompts of similar length share a workspace
 KEPT_FREE = 4  # workspaces kept for reuse per forward once their decoders are gone
 MODES = ("graphs", "eager", "transformers")  # SPECVIZ_GPU_STEPS: how a CUDA model steps (default graphs)
-ATTENTION = ("matmul", "sdpa")  # SPECVIZ_STEP_ATTENTION: how a step attends (GraphedForward._attend)
+ATTENTION = ("matmul", "sdpa", "triton")  # SPECVIZ_STEP_ATTENTION: how a step attends (GraphedForward._attend)
 
 
 def gpu_steps() -> str:
@@ -183,7 +183,8 @@ class GraphedForward:
         bias = torch.zeros((B, 1, G, W, C), dtype=self.dtype, device=ids.device)
         bias.masked_fill_(~sees[:, None, None], float("-inf"))
         bias = bias.view(B, 1, G * W, C)
-        if self.attention == "matmul":
+        split = self.attention == "triton" and G * W <= fused.ATTEND_MAX_ROWS  # else two products, as 'matmul'
+        if self.attention != "sdpa" and not split:
             bias = bias.expand(B, Hkv, G * W, C).reshape(B * Hkv, G * W, C)
         cos, sin = self.cos[positions].view(B * W, D), self.sin[positions].view(B * W, D)
         x = F.embedding(ids, self.embed).view(B * W, -1)  # [B·W, hidden]: rows b·W + w
@@ -192,8 +193,11 @@ class GraphedForward:
             x, h = ops.add_rms_norm(x, delta, layer.norm1, layer.eps1)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # [B·W, (H + 2·Hkv)·D]
             q = ops.rope_store(qkv, cos, sin, start, W, H, Hkv, keys[i], values[i])  # [B, Hkv, G·W, D]
-            attended = self._attend(q, keys[i], values[i], bias)
-            attended = attended.view(B, Hkv, G, W, D).permute(0, 3, 1, 2, 4).reshape(B * W, H * D)
+            if split:  # [B·W, H·D] straight from the kernels
+                attended = ops.attend(q, keys[i], values[i], bias, self.scaling, W)
+            else:
+                attended = self._attend(q, keys[i], values[i], bias)
+                attended = attended.view(B, Hkv, G, W, D).permute(0, 3, 1, 2, 4).reshape(B * W, H * D)
             x, h = ops.add_rms_norm(x, layer.o_proj(attended), layer.norm2, layer.eps2)
             delta = layer.down_proj(ops.silu_mul(F.linear(h, layer.gate_up_weight, layer.gate_up_bias)))
         last = lambda t: t.view(B, W, -1)[:, -keep:].reshape(B * keep, -1)  # noqa: E731
@@ -207,7 +211,9 @@ class GraphedForward:
         queries over many keys across the chip) and a softmax between them, as transformers' eager attention
         computes them (scores in the model's dtype, softmax in fp32). 'sdpa': torch's fused attention, whose
         memory-efficient kernel gives each (row, key head) one block: 2 blocks for the embedded draft at one
-        token, ~70 µs a layer over 2,048 slots on an H200, against the ~10 µs its bytes need."""
+        token, ~70 µs a layer over 2,048 slots on an H200, against the ~10 µs its bytes need. 'triton' (up to
+        fused.ATTEND_MAX_ROWS queries a key head; `hidden` calls it directly): two kernels split over the keys
+        (fused.attend_triton) where these take five; not yet measured on a GPU."""
         if self.attention == "sdpa":
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.scaling)
         B, Hkv, M, D = q.shape

@@ -253,6 +253,7 @@ def _fused_checks() -> None:
     cpu = torch.device("cpu")
     for dtype in (torch.float32, torch.bfloat16):  # odd shapes: hidden 96, intermediate 80, 6 heads over 2
         assert fused._self_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
+        assert fused._attend_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
     for attention in ("matmul", "triton"):  # triton: attention split over the keys in two kernels too
         ref, static = _models()
         static.graphed_forward.ops, static.graphed_forward.attention = fused.Ops(True), attention
@@ -262,6 +263,11 @@ def _fused_checks() -> None:
     right = fused.silu_mul_triton
     fused.silu_mul_triton = lambda gu: right(gu) * 1.05  # a kernel that is off is caught
     assert "silu_mul differs" in fused._self_check(cpu, torch.float32, 96, 80, 6, 2, 16, 1e-6)
+    fused.silu_mul_triton = right
+    fused.attend_triton = lambda *a: fused.attend_ref(*a) * 1.05
+    assert "attend differs" in fused._attend_check(cpu, torch.float32, 96, 80, 6, 2, 16, 1e-6)
+    ops = fused.Ops(True, "", False, "attend differs")  # what choose() makes of a failing attention alone
+    assert ops.silu_mul is right and ops.attend is fused.attend_ref
     print("fused checks passed")
 
 

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             graphed.attach(model, mode.split("-")[0])
             if model.graphed_forward is not None:
                 ops = model.graphed_forward.ops
-                out.setdefault("fused_kernels", {})[f"{name}/{mode}"] = ops.fused or ops.why
+                out.setdefault("fused_kernels", {})[f"{name}/{mode}"] = {
+                    "elementwise": ops.fused or ops.why, "attend": ops.attend_fused or ops.attend_why}
             rows = {}
             for batch, widths in ((1, WIDTHS), (8, (1, 5))):
                 for w in widths:

@@ -271,14 +271,18 @@ def attend_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
 
 
 class Ops:
-    """The three stages a step calls: the kernels or the references (`fused` says which; `why` why not)."""
+    """The stages a step calls: the kernels or the references (`fused` says which; `why` why not). The attention
+    kernels are checked apart (`attend_fused`, `attend_why`): the newer ones, so that their failing to compile or
+    to agree leaves the other three on their kernels."""
 
-    def __init__(self, fused: bool, why: str = ""):
+    def __init__(self, fused: bool, why: str = "", attend_fused: bool | None = None, attend_why: str = ""):
         self.fused, self.why = fused, why
+        self.attend_fused = fused if attend_fused is None else attend_fused
+        self.attend_why = attend_why or why
         self.add_rms_norm = add_rms_norm_triton if fused else add_rms_norm_ref
         self.rope_store = rope_store_triton if fused else rope_store_ref
         self.silu_mul = silu_mul_triton if fused else silu_mul_ref
-        self.attend = attend_triton if fused else attend_ref
+        self.attend = attend_triton if self.attend_fused else attend_ref
 
 
 REFERENCE = Ops(False, "the torch operations (no GPU)")
@@ -292,11 +296,13 @@ def choose(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: 
         return REFERENCE
     if head_dim & (head_dim - 1):
         return Ops(False, f"head_dim {head_dim} is not a power of two")
-    try:
-        error = _self_check(device, dtype, hidden, intermediate, heads, kv_heads, head_dim, eps)
-    except Exception as e:  # noqa: BLE001 (no Triton, or it cannot compile here: the references still run)
-        return Ops(False, f"{type(e).__name__}: {e}"[:300])
-    return Ops(True) if error is None else Ops(False, error)
+    errors = []
+    for check in (_self_check, _attend_check):
+        try:
+            errors.append(check(device, dtype, hidden, intermediate, heads, kv_heads, head_dim, eps))
+        except Exception as e:  # noqa: BLE001 (no Triton, or it cannot compile here: the references still run)
+            errors.append(f"{type(e).__name__}: {e}"[:300])
+    return Ops(errors[0] is None, errors[0] or "", errors[0] is None and errors[1] is None, errors[1] or "")
 
 
 def _self_check(device, dtype, hidden, intermediate, heads, kv_heads, D, eps) -> str | None:
@@ -327,6 +333,17 @@ def _self_check(device, dtype, hidden, intermediate, heads, kv_heads, D, eps) ->
     for name, a, b in (("q", qa, qb), ("keys", *[c[0] for c in caches]), ("values", *[c[1] for c in caches])):
         if not torch.allclose(a.float(), b.float(), **tol):
             return f"rope_store's {name} differ from the reference by {(a.float() - b.float()).abs().max():.3g}"
+    return None
+
+
+def _attend_check(device, dtype, hidden, intermediate, heads, kv_heads, D, eps) -> str | None:
+    g = torch.Generator(device=device).manual_seed(1)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype in (torch.bfloat16, torch.float16) else dict(rtol=1e-4, atol=1e-4)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=g, device=device).to(dtype)
+
+    B, W = 2, 3
     G, C = heads // kv_heads, 300  # more keys than one program's split, and not a multiple of it
     q, keys, values = rand(B, kv_heads, G * W, D), rand(B, kv_heads, C, D), rand(B, kv_heads, C, D)
     seen = torch.rand((B, 1, G * W, C), generator=g, device=device) < 0.7

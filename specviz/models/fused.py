@@ -20,6 +20,8 @@ references on the model's own shapes, else the references. Both run inside the g
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch.nn import functional as F
 
@@ -206,27 +208,28 @@ def _triton_kernels():
         head = (bh % HKV) * G + r // W
         tl.store(out_ptr + (b * W + w) * (HKV * G * D) + head * D + dims, o.to(out_ptr.dtype.element_ty))
 
-    _kernels = (triton, add_rms_norm_kernel, rope_store_kernel, silu_mul_kernel, attend_split_kernel,
-                attend_combine_kernel)
+    _kernels = SimpleNamespace(triton=triton, add_rms_norm=add_rms_norm_kernel, rope_store=rope_store_kernel,
+                               silu_mul=silu_mul_kernel, attend_split=attend_split_kernel,
+                               attend_combine=attend_combine_kernel)
     return _kernels
 
 
 def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_ref's contract; x, delta contiguous [R, N]."""
-    triton, kernel = _triton_kernels()[:2]
+    k = _triton_kernels()
     R, N = x.shape
     x_out = torch.empty_like(x) if delta is not None else x
     h = torch.empty_like(x)
-    kernel[(R,)](x, delta if delta is not None else x, weight, x_out, h, N, eps, HAS_DELTA=delta is not None,
-                 BLOCK=triton.next_power_of_2(N))
+    k.add_rms_norm[(R,)](x, delta if delta is not None else x, weight, x_out, h, N, eps, HAS_DELTA=delta is not None,
+                         BLOCK=k.triton.next_power_of_2(N))
     return x_out, h
 
 
 def rope_store_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor, W: int,
                       heads: int, kv_heads: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """rope_store_ref's contract; qkv, cos, sin contiguous; keys and values share strides, last two dims dense."""
-    kernel = _triton_kernels()[2]
+    kernel = _triton_kernels().rope_store
     D = cos.shape[-1]
     B = qkv.shape[0] // W
     G = heads // kv_heads
@@ -237,7 +240,7 @@ def rope_store_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # gate_up contiguous [R, 2·I] -> [R, I]
-    kernel = _triton_kernels()[3]
+    kernel = _triton_kernels().silu_mul
     R, I2 = gate_up.shape
     out = torch.empty((R, I2 // 2), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
@@ -254,19 +257,19 @@ def attend_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
     """attend_ref's contract in two kernels (split over keys, then combined into the output's layout), where
     attend_ref takes five (the bias copied into the scores, two products, the softmax, the transpose). q, bias
     contiguous; keys and values share strides, last two dims dense."""
-    triton, split_kernel, combine_kernel = (lambda k: (k[0], k[4], k[5]))(_triton_kernels())
+    k = _triton_kernels()
     B, Hkv, M, D = q.shape
     C = keys.shape[2]
-    S = triton.cdiv(C, ATTEND_SPLIT)
-    block_m = max(16, triton.next_power_of_2(M))
+    S = k.triton.cdiv(C, ATTEND_SPLIT)
+    block_m = max(16, k.triton.next_power_of_2(M))
     part = torch.empty((B * Hkv * S * block_m, D), dtype=torch.float32, device=q.device)
     ml = torch.empty((B * Hkv * S * block_m, 2), dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 holds bf16 / fp16 inputs exactly
-    split_kernel[(B * Hkv, S)](q, keys, values, bias, part, ml, M, C, Hkv, S, keys.stride(0), keys.stride(1), scale,
-                               D=D, BLOCK_M=block_m, BLOCK_N=64, SPLIT=ATTEND_SPLIT, PRECISION=precision)
+    k.attend_split[(B * Hkv, S)](q, keys, values, bias, part, ml, M, C, Hkv, S, keys.stride(0), keys.stride(1),
+                                 scale, D=D, BLOCK_M=block_m, BLOCK_N=64, SPLIT=ATTEND_SPLIT, PRECISION=precision)
     out = torch.empty((B * W, Hkv * (M // W) * D), dtype=q.dtype, device=q.device)
-    combine_kernel[(B * Hkv, M)](part, ml, out, M, W, M // W, Hkv, S, D=D, BLOCK_M=block_m,
-                                 BLOCK_S=triton.next_power_of_2(S))
+    k.attend_combine[(B * Hkv, M)](part, ml, out, M, W, M // W, Hkv, S, D=D, BLOCK_M=block_m,
+                                   BLOCK_S=k.triton.next_power_of_2(S))
     return out
 
 

@@ -375,7 +375,6 @@ class StaticCache(BufferedCache):
         super().__init__()
         self.forward, self.max_batch = forward, batch
         self.workspace: Workspace | None = None
-        self.rows = 0  # B: rows in use
         self.length = 0  # used slots
         self._finalizer = None
 
@@ -407,7 +406,6 @@ class StaticCache(BufferedCache):
             indices = indices.to(w.valid.device)
             for t in (*w.keys, *w.values):
                 t[: len(indices), :, : self.length] = t[indices, :, : self.length]  # gathered first, then written
-        self.rows = len(indices)
 
     def place_rows(self, rows: list, width: int) -> None:
         """Start over as len(rows) rows of `width` slots, row r's per-layer (keys, values) [1, heads, n, D]
@@ -426,7 +424,7 @@ class StaticCache(BufferedCache):
                 if n:
                     w.keys[i][r, :, width - n: width] = row[i][0][0]
                     w.values[i][r, :, width - n: width] = row[i][1][0]
-        self.rows, self.length = len(rows), width
+        self.length = width
 
     def _use(self, workspace: Workspace) -> None:
         self.workspace = workspace

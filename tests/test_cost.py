@@ -21,7 +21,7 @@ from specviz.config import SamplingConfig, SpecConfig
 from specviz.decoding.acceptance import RunningAcceptance
 from specviz.decoding.calibration import CALIBRATION_TOKENS, CHECK_TOKENS, MAX_GAMMA, calibrate
 from specviz.decoding.cost import CostModel
-from specviz.decoding.expectation import best_gamma, break_even_alpha, expected_speedup, speedups
+from specviz.decoding.expectation import best_gamma, break_even_alpha, expected_speedup, priced_speedups, speedups
 from specviz.decoding.gamma import CostAware, Feedback, Plan
 from specviz.models.loading import ModelPair
 from specviz.models.prompt_cache import PromptCache
@@ -217,16 +217,19 @@ def test_policy_steps_plainly_and_probes_by_expected_loss_where_nothing_pays():
         p.update(feedback(g, {0: [0.3][:g]}))
     probes = [i for i, g in enumerate(gammas) if g > 0]
     assert probes and all(gammas[i] == 1 for i in probes)  # γ = 1 is the cheapest probe on this curve
-    # a probe here loses (0.05 + 0.19 + 0.05 draft catching up) / 0.1 - (1 + α) ≈ 1.6 plain steps: one probe
-    # per ~54 plain steps keeps probing at 3% of the time
+    # a probe right after a draft loses (0.05 + 0.19 + 0.05 draft step) / 0.1 - (1 + α) ≈ 1.6 plain steps: one
+    # probe per ~54 plain steps would keep probing at 3% of the time
     alphas = [p.acceptance.alphas(None, MAX_GAMMA)]
-    spacing = p.probe_after(1, 1, expected_speedup(m, 1, 1, alphas))
+    speedup = expected_speedup(m, 1, 1, alphas)
+    spacing = p.probe_after(1, 1, speedup, lag=1)
     assert spacing == math.ceil((2.9 - expected_tokens_by_position(alphas[0], 1)) / CostAware.EXPLORE_SHARE)
-    gaps = np.diff(probes).tolist()
-    assert abs(gaps[-1] - (spacing + 1)) <= 2 and gaps == sorted(gaps)  # α falls from the prior probe by probe
+    # but the draft first reads every token it missed (here each costs 0.9 of its step: 0.45 of a plain step), so
+    # the loss grows faster than the plain run: probes only at the most spacing, PROBE_MAX plain steps
+    assert spacing < p.probe_after(1, 1, speedup, lag=2) < p.probe_after(1, 1, speedup, lag=4) == CostAware.PROBE_MAX
+    assert np.diff(probes).tolist() == [CostAware.PROBE_MAX + 1] * (len(probes) - 1)
     assert sum(g == 0 for g in gammas) / len(gammas) > 0.95
     near = CostAware(costs=synthetic(t1=0.1, per_token=0.03, draft=0.05))  # drafting nearly pays: probe often
-    assert near.probe_after(1, 1, expected_speedup(near.costs, 1, 1, [[0.6]])) < spacing
+    assert near.probe_after(1, 1, expected_speedup(near.costs, 1, 1, [[0.6]]), lag=1) < spacing
 
 
 def test_policy_prices_plain_steps_itself_where_the_choice_is_close():
@@ -347,7 +350,7 @@ class Scripted:
     def current(self) -> int:
         return self.script[min(self.i, len(self.script) - 1)]
 
-    def plan(self, sequences, lookups) -> Plan:  # a priced run: who drafts, from the script too
+    def plan(self, sequences, lookups, **batch) -> Plan:  # a priced run: who drafts, from the script too
         return Plan(self.current(), self.kinds[min(self.i, len(self.kinds) - 1)] if self.kinds else "lookup+model")
 
     def update(self, fb) -> None:
@@ -481,6 +484,33 @@ def test_the_priced_plan_names_who_drafts_by_expected_tokens_per_second():
     assert plain.plan([0], [0]) == Plan(0, "")
     # with a found continuation a plain step is not the best any more: lookup costs no draft
     assert plain.plan([0], [8]).kind == "lookup"
+
+
+def test_a_draft_model_that_sat_out_drafts_again_only_where_its_catching_up_pays():
+    """After plain steps or lookup iterations the draft model first reads the tokens it missed (one forward over
+    `lag` tokens: 0.001 s · target(lag) / target(1) here); it comes back only where its plans' saving over the
+    rest of the run, against the best plan without it, covers that."""
+    policy = _priced_policy(0.004, 0.9, 0.1)
+    assert policy.plan([0], [0], lag=2, remaining=1).kind == "model"  # 1-2 tokens: what any first draft reads
+    assert policy.plan([0], [0], lag=40, remaining=0).kind == "model"  # the run's length unknown: no limit
+    assert policy.plan([0], [0], lag=40, remaining=200).kind == "model"  # a long run left: it pays back
+    assert policy.plan([0], [0], lag=40, remaining=3) == Plan(0, "")  # three tokens left: it cannot
+    # a continuation that passes half the time: below the model while it keeps up; once the model sits out for
+    # good, lookup (which reads nothing first, and leaves no catch-up to price) beats a plain step
+    lookup = _priced_policy(0.004, 0.9, 0.5)
+    assert lookup.plan([0], [8], lag=1, remaining=200).kind == "model"
+    assert lookup.plan([0], [8], lag=40, remaining=3).kind == "lookup"
+    # the boundary: the saving of the best model plan over plain steps equals the catch-up's extra reading, with
+    # the target's curve extended past its calibrated points (40 tokens: 0.004 · 0.049 / 0.010 s)
+    costs = policy.costs
+    table = priced_speedups(costs, 1, [policy.by_drafter["model"].alphas(None, MAX_GAMMA)],
+                            [policy.by_drafter["lookup"].alphas(None, MAX_GAMMA)], [0], MAX_GAMMA)
+    best = max(table.values())
+    extra = 0.004 * (0.010 + 0.001 * 39) / 0.010 - 0.004
+    boundary = extra / (costs.plain_s(1) * (1 - 1 / best))
+    assert 3 < boundary < 200
+    assert policy.plan([0], [0], lag=40, remaining=math.ceil(boundary + 1e-9)).kind == "model"
+    assert policy.plan([0], [0], lag=40, remaining=math.floor(boundary - 1e-9)) == Plan(0, "")
 
 
 PRICED_SCRIPTS = {"plain-then-lookup": ([0, 2], ["", "lookup"]), "lookup-then-model": ([1, 2], ["lookup", "model"]),

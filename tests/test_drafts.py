@@ -57,6 +57,36 @@ def test_lookup_stops_after_an_eos_inside_the_match():
     assert lookup([1, 2, 3, EOS, 7, 8, 1, 2], 5, EOS_SET) == [3, EOS]
 
 
+def _lookup_by_definition(tokens: list[int], limit: int, eos: frozenset[int], min_ngram: int,
+                          max_ngram: int = 3) -> list[int]:
+    """lookup's contract read literally: the longest suffix first, then its latest earlier start, every start
+    tried in turn."""
+    for n in range(min(max(max_ngram, min_ngram), len(tokens) - 1), min_ngram - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                follow = tokens[start + n:start + n + limit]
+                cut = next((i + 1 for i, t in enumerate(follow) if t in eos), len(follow))
+                return follow[:cut]
+    return []
+
+
+def test_lookup_agrees_with_its_definition_on_random_sequences():
+    """lookup finds candidates through the last token's earlier occurrences; on 3,000 random sequences over small
+    alphabets (many repeats, suffixes recurring at every length, EOS inside continuations) it proposes what
+    trying every start would."""
+    rng = np.random.default_rng(0)
+    found = 0
+    for case in range(3000):
+        alphabet = int(rng.integers(2, 12))
+        tokens = rng.integers(0, alphabet, size=int(rng.integers(0, 60))).tolist()
+        limit, min_ngram = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+        eos = frozenset({int(rng.integers(0, alphabet))}) if case % 3 == 0 else EOS_SET
+        expected = _lookup_by_definition(tokens, limit, eos, min_ngram)
+        assert lookup(tokens, limit, eos, min_ngram=min_ngram) == expected, (tokens, limit, min_ngram)
+        found += bool(expected)
+    assert 1000 < found < 3000  # both outcomes, often
+
+
 def test_one_hot_logits_are_a_deterministic_q():
     logits = one_hot_logits([[5, 7], [3], []], 2, 16, torch.device("cpu"))
     q = logits.softmax(-1)

@@ -120,12 +120,24 @@ def lookup(tokens: list[int], limit: int, eos: frozenset[int], *, min_ngram: int
     `tokens` (max_ngram down to min_ngram tokens long); [] when no suffix recurs. A proposal ends after an
     EOS: nothing the sequence would produce after it can count."""
     n_tokens = len(tokens)
-    for n in range(min(max(max_ngram, min_ngram), n_tokens - 1), min_ngram - 1, -1):
+    longest = min(max(max_ngram, min_ngram), n_tokens - 1)
+    if longest < min_ngram:
+        return []
+    # Every earlier occurrence of the last token that leaves one after it, found by list.index at C speed: a
+    # Python scan over every start took 0.17 ms a row at 850 tokens, each iteration, twice in a priced run.
+    ends, last = [], tokens[-1]
+    try:
+        at = -1
+        while True:
+            at = tokens.index(last, at + 1, n_tokens - 1)
+            ends.append(at)
+    except ValueError:
+        pass
+    for n in range(longest, min_ngram - 1, -1):
         suffix = tokens[n_tokens - n:]
-        # latest start first: recent context is the likeliest to be continued
-        for start in range(n_tokens - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                follow = tokens[start + n:start + n + limit]
+        for end in reversed(ends):  # latest first: recent context is the likeliest to be continued
+            if end >= n - 1 and tokens[end - n + 1:end + 1] == suffix:
+                follow = tokens[end + 1:end + 1 + limit]
                 for i, t in enumerate(follow):
                     if t in eos:
                         return follow[: i + 1]

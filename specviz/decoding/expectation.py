@@ -72,7 +72,7 @@ def catch_up_s(draft_s: float, target: Sequence[float], tokens: float) -> float:
 
 def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequence[float]],
                     lookup_alphas: Sequence[Sequence[float]], lookups: Sequence[int],
-                    max_gamma: int = MAX_GAMMA) -> dict[tuple[str, int], float]:
+                    max_gamma: int = MAX_GAMMA, with_model: bool = True) -> dict[tuple[str, int], float]:
     """The expected speedup of every (who drafts, γ) a priced run can choose, per row r of the batch its α by
     position for each drafter and lookups[r], the length of its prompt-lookup continuation (0: none):
 
@@ -81,6 +81,9 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
       match gives (priced as no gain, at γ wide); the target scores the widest proposal + 1, and the draft
       model later reads the tokens it did not draft (where the model's drafts pay).
     - ("lookup+model", γ): continuations where there are, the model's γ elsewhere (only when both occur).
+
+    `with_model` False: the draft model sits out for good (the cost policy's `_model_stays_out`): lookup plans
+    only, with no catch-up to pay later.
 
     A plain target step is 1 by definition; the formula is `speedups`'s with the draft's cost where it runs."""
     plain, draft = costs.plain_s(batch), costs.draft_s(batch)
@@ -99,7 +102,7 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
         table[("model", g)] = speedup(sum(e[g] for e in by_model), g * draft + target[g] + fixed)
     # The model catches up on the tokens it did not draft at its next draft (catch_up_s): only where its drafts
     # pay at all; otherwise it will not draft again.
-    model_pays = max(table.values()) > 1.0
+    model_pays = with_model and max(table.values()) > 1.0
 
     def catch_up(tokens: float) -> float:
         return catch_up_s(draft, target, tokens) if model_pays else 0.0
@@ -113,8 +116,8 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
             # rows without a continuation of lookup_ngram tokens may still match a shorter one: up to γ
             width = g if missing else max(min(lookups[r], g) for r in found)
             table[("lookup", g)] = speedup(lookup_tokens + len(missing), catch_up(widest) + target[width] + fixed)
-        if missing:
+        if missing and with_model:
             modelled = sum(by_model[r][g] for r in missing)
             table[("lookup+model", g)] = speedup(lookup_tokens + modelled,
                                                  g * draft + catch_up(widest) + target[g] + fixed)
-    return table
+    return table if with_model else {plan: speedup for plan, speedup in table.items() if plan[0] == "lookup"}

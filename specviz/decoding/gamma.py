@@ -11,7 +11,7 @@ from specviz.config import LOOKUP_THEN_MODEL, REPLAY
 from specviz.decoding.acceptance import RunningAcceptance
 from specviz.decoding.calibration import MAX_GAMMA
 from specviz.decoding.cost import CostModel
-from specviz.decoding.expectation import priced_speedups, speedups
+from specviz.decoding.expectation import catch_up_s, priced_speedups, speedups
 from specviz.decoding.records import LOOKUP, MODEL, Decision
 
 
@@ -85,9 +85,11 @@ class Policy(Protocol):
         """γ for the next iteration (0: a plain target step)."""
         ...
 
-    def plan(self, sequences: Sequence[int], lookups: Sequence[int]) -> Plan:
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0, remaining: int = 0) -> Plan:
         """A priced run's next iteration, for the live rows' sequences and the lengths of their prompt-lookup
-        continuations (0: none). Only the cost policy prices who drafts; the others keep lookup else model."""
+        continuations (0: none); `lag`: the most tokens a row's draft model has not read yet (it reads them before
+        it drafts again); `remaining`: the most tokens a row may still emit (0: not known). Only the cost policy
+        prices who drafts; the others keep lookup else model."""
         ...
 
     def update(self, fb: Feedback) -> None:
@@ -108,7 +110,7 @@ class _Held:
     def current(self) -> int:
         return self.gamma
 
-    def plan(self, sequences: Sequence[int], lookups: Sequence[int]) -> Plan:
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0, remaining: int = 0) -> Plan:
         return Plan(self.current(), LOOKUP_THEN_MODEL)
 
 
@@ -270,16 +272,20 @@ class CostAware:
         probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
         return probe if self.plain_run >= self.probe_after(batch, probe, table[probe]) else 0
 
-    def plan(self, sequences: Sequence[int], lookups: Sequence[int]) -> Plan:
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0, remaining: int = 0) -> Plan:
         """The (who drafts, γ) with the highest expected tokens per second (expectation.priced_speedups), a
-        plain step where none beats it, and a probe of the best one now and then as `current` does."""
+        plain step where none beats it, and a probe of the best one now and then as `current` does. A draft
+        model `lag` tokens behind drafts again only where that pays for its catching up (`_model_stays_out`)."""
         if self.costs is None or not self.costs.ready:
             return Plan(self.current(), LOOKUP_THEN_MODEL)
         keys = list(sequences) if len(sequences) > 1 else [None]
-        table = priced_speedups(self.costs, len(keys),
-                                [self.by_drafter[MODEL].alphas(seq, self.max_gamma) for seq in keys],
-                                [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys],
-                                lookups, self.max_gamma)
+        alphas = ([self.by_drafter[MODEL].alphas(seq, self.max_gamma) for seq in keys],
+                  [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys])
+        table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma)
+        if self._model_stays_out(len(keys), table, lag, remaining):
+            table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma, with_model=False)
+            if not table:
+                return Plan(0, "")
         (kind, gamma), best = max(table.items(), key=lambda item: (item[1], -item[0][1]))
         if gamma > self.PRIOR_MAX_GAMMA and self._on_prior():
             kind, gamma = max((plan for plan in table if 0 < plan[1] <= self.PRIOR_MAX_GAMMA),
@@ -287,9 +293,25 @@ class CostAware:
             return Plan(gamma, kind)
         if best > 1.0 and self._plain_probe_due(len(keys), best):
             return Plan(0, "")
-        if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best):
+        behind = lag if kind != LOOKUP else 1  # lookup reads nothing; the model first reads what it missed
+        if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best, behind):
             return Plan(gamma, kind)
         return Plan(0, "")
+
+    def _model_stays_out(self, batch: int, table: dict[tuple[str, int], float], lag: int, remaining: int) -> bool:
+        """Whether a draft model `lag` tokens behind should keep sitting out: before it drafts it reads what it
+        missed (one forward over `lag` tokens a row: after 24 plain steps of a batch of 4, 249 ms, 4 plain steps),
+        which pays only if its plans then save more than that over the rest of the run (`remaining` tokens at
+        most a row, as plain steps) against the best plan without it. Unknown `remaining`: no limit."""
+        if lag <= 2 or not remaining:  # 1-2 tokens: what every draft's first forward reads anyway
+            return False
+        with_model = max((s for (kind, _), s in table.items() if kind != LOOKUP), default=0.0)
+        without = max([1.0] + [s for (kind, _), s in table.items() if kind == LOOKUP])
+        if with_model <= without:
+            return False  # not chosen unless as a probe, which probe_after prices with the catch-up
+        extra = self._catch_up_s(batch, lag) - self.costs.draft_s(batch)
+        saved = remaining * self.costs.plain_s(batch) * (1 / without - 1 / with_model)
+        return saved < extra
 
     def _on_prior(self) -> bool:
         """Whether no draft has been examined yet in this run (α is the prior's; see the class's text)."""
@@ -302,13 +324,21 @@ class CostAware:
         self.plain_probes += due  # asked once per iteration (`plan`, or `update` for `current`)
         return due
 
-    def probe_after(self, batch: int, gamma: int, speedup: float) -> int:
+    def probe_after(self, batch: int, gamma: int, speedup: float, lag: int | None = None) -> int:
         """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE. A probe
-        at γ takes iteration_s(γ) plus the draft catching up (about one more draft step) where plain steps
-        would have made the same tokens in speedup · iteration_s(γ)."""
-        steps = self.costs.iteration_s(batch, gamma) / self.costs.plain_s(batch)
-        loss = steps * (1 - speedup) + self.costs.draft_s(batch) / self.costs.plain_s(batch)
+        at γ takes iteration_s(γ) plus the draft first reading the `lag` tokens it missed (catch_up_s; by default
+        one per plain step since it last drafted) where plain steps would have made the same tokens in
+        speedup · iteration_s(γ)."""
+        lag = self.plain_run + 1 if lag is None else lag
+        plain = self.costs.plain_s(batch)
+        steps = self.costs.iteration_s(batch, gamma) / plain
+        loss = steps * (1 - speedup) + self._catch_up_s(batch, max(1, lag)) / plain
         return min(self.PROBE_MAX, max(self.PROBE_MIN, math.ceil(loss / self.EXPLORE_SHARE)))
+
+    def _catch_up_s(self, batch: int, lag: int) -> float:
+        """The draft model's first forward when it reads `lag` tokens a row (the target's curve extended past
+        its calibrated points: a catch-up may read more tokens than any γ scores)."""
+        return catch_up_s(self.costs.draft_s(batch), self.costs.target_curve(batch, max(lag, 1)), lag)
 
 
 class Replay:
@@ -326,7 +356,7 @@ class Replay:
     def current(self) -> int:
         return self.schedule[min(self.index, len(self.schedule) - 1)]
 
-    def plan(self, sequences: Sequence[int], lookups: Sequence[int]) -> Plan:
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0, remaining: int = 0) -> Plan:
         kind = self.drafters[min(self.index, len(self.drafters) - 1)] if self.drafters else LOOKUP_THEN_MODEL
         return Plan(self.current(), kind)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -28,6 +29,14 @@ def unique_names(names: list[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
     return out
+
+
+def with_token_texts_kept(decode: Callable[[list[int]], str]) -> Callable[[list[int]], str]:
+    """`decode`, remembering each single token's text: every iteration names each decided token (a record's
+    draft_text, next_text), ~14 µs a tokenizer call, ~0.5 ms an iteration of a batch of 4 on the run's clock.
+    lru_cache is safe to share between threads (the page decodes in a worker thread)."""
+    one = functools.lru_cache(maxsize=1 << 16)(lambda token: decode([token]))
+    return lambda ids: one(ids[0]) if len(ids) == 1 else decode(ids)
 
 
 @dataclass(frozen=True)

@@ -122,9 +122,19 @@ class BufferedLayer(DynamicLayer):
         self.length = max(0, self.length + tokens_to_remove)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """indices LongTensor[b]: keep these rows, in this order (a row may repeat). Copies the used slots
-        only, into buffers of the same capacity."""
+        """indices LongTensor[b]: keep these rows, in this order (a row may repeat). Rows leaving a batch (indices
+        increasing) move in place: each kept row that is not already where it belongs is copied down, and the
+        buffers become their first b rows (a view); otherwise the used slots are copied into new buffers of the
+        same capacity. (Copying every kept row anew took ~10 ms a finished row on a 4-row batch of ~800 tokens.)"""
         if self._keys is None:
+            return
+        kept = indices.tolist()
+        if all(a < b for a, b in zip(kept, kept[1:])) and (not kept or kept[-1] < self._keys.shape[0]):
+            for row, source in enumerate(kept):
+                if row != source:
+                    self._keys[row, :, : self.length] = self._keys[source, :, : self.length]
+                    self._values[row, :, : self.length] = self._values[source, :, : self.length]
+            self._keys, self._values = self._keys[: len(kept)], self._values[: len(kept)]
             return
         keys = self._keys.new_empty(len(indices), *self._keys.shape[1:])
         values = self._values.new_empty(len(indices), *self._values.shape[1:])

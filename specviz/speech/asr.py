@@ -26,7 +26,7 @@ from specviz.models import cpu_attention, cpu_kernels
 from specviz.models.half_linear import HalfLinear, halve_linears
 from specviz.models.packed import PackedLinear
 from specviz.models.quant import q4_linears, quantize_draft_int8
-from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names
+from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names, with_token_texts_kept
 from specviz.speech.whisper_loader import load_whisper
 
 # Chosen by measurement on the sample clip (docs/benchmarks.md, "Speech"): base without its fourth decoder
@@ -316,7 +316,7 @@ class SpeechSource:
         # timestamps and language tokens are specials: they stay in the draft's head whatever its size
         self.draft_head = subset_head(pair.draft, pair.vocab_size, draft_vocab, special_ids(tok) | set(self.prompt))
         gc = pair.target.generation_config
-        self.vocab = Vocabulary(lambda t: tok.decode(t), frozenset({gc.eos_token_id}), pair.vocab_size)
+        self.vocab = Vocabulary(with_token_texts_kept(tok.decode), frozenset({gc.eos_token_id}), pair.vocab_size)
         self.suppress, self.begin = list(gc.suppress_tokens or []), list(gc.begin_suppress_tokens or [])
         self.device = pair.device
         self.sequences: list[SequenceSpec] = []

@@ -13,7 +13,7 @@ from specviz.models.kv_cache import BufferedCache
 from specviz.models.loading import ModelPair
 from specviz.models.prompt_cache import PromptCache
 from specviz.text.prompts import InputError, max_prompt_tokens, summarization_prompt
-from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names
+from specviz.decoding.source import SequenceSpec, Vocabulary, unique_names, with_token_texts_kept
 
 
 class CausalLMDecoder(SlottedDecoder):
@@ -58,7 +58,7 @@ def text_vocabulary(pair: ModelPair) -> Vocabulary:
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if pair.tokenizer.eos_token_id is not None:
         ids.add(pair.tokenizer.eos_token_id)
-    return Vocabulary(lambda t: pair.tokenizer.decode(t), frozenset(ids), pair.vocab_size)
+    return Vocabulary(with_token_texts_kept(pair.tokenizer.decode), frozenset(ids), pair.vocab_size)
 
 
 class TextSource:

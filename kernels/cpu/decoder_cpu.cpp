@@ -46,6 +46,9 @@ void specviz_q8a8_super_matmul(const float* x, int64_t M, int64_t K, const uint8
 void specviz_attention(const float* q, const float* k, const float* v, const uint8_t* mask, int64_t B, int64_t H,
                        int64_t Hkv, int64_t L, int64_t S, int64_t Sk, int64_t D, float scale, float* out,
                        int nthreads);
+void specviz_attention_f16kv(const float* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t B,
+                             int64_t H, int64_t Hkv, int64_t L, int64_t S, int64_t Sk, int64_t D, float scale,
+                             float* out, int nthreads);
 }
 
 // One packed linear layer in the interleaved layout (specviz.models.cpu_kernels.q4_interleave / q8_interleave).
@@ -140,6 +143,16 @@ inline void rotate_head(const float* x, const float* cos, const float* sin, int6
     for (int64_t d = half; d < D; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
+// D values (a multiple of 8) rounded to fp16, to nearest even: each element by itself, so a slot's bits do not
+// depend on what else the call writes
+inline void store_half(const float* x, int64_t D, uint16_t* out) {
+    for (int64_t d = 0; d < D; d += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+constexpr int64_t MAX_HEAD_DIM = 512;  // a rotated key's room on the stack before it is rounded to fp16
+
 }  // namespace
 #endif
 
@@ -155,10 +168,13 @@ int specviz_has_decoder() {
 
 #ifdef SPECVIZ_DECODER
 // The layers' forward over hidden [B·W, E] in place (see the top of the file). keys / values: per layer its cache
-// buffers; I: the MLP's width; seconds: null, or [9] to which each stage's wall time is added (norm, qkv,
-// rotary + cache write, attention, output projection, gate/up, SwiGLU, down, residuals).
-void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers, float* const* keys,
-                            float* const* values, int64_t capacity, int64_t past, const float* cos, const float* sin,
+// buffers, fp32, or fp16 where kv_half (a draft's: half the bytes its attention reads over a long context, its
+// keys and values rounded as they are written; D ≤ MAX_HEAD_DIM); I: the MLP's width; seconds: null, or [9] to
+// which each stage's wall time is added (norm, qkv, rotary + cache write, attention, output projection, gate/up,
+// SwiGLU, down, residuals).
+void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers, void* const* keys,
+                            void* const* values, int64_t kv_half, int64_t capacity, int64_t past, const float* cos,
+                            const float* sin,
                             const uint8_t* sees, int64_t B, int64_t W, int64_t E, int64_t H, int64_t Hkv, int64_t D,
                             int64_t I, float scaling, double* seconds, int nthreads) {
     const int64_t M = B * W, HD = H * D, KD = Hkv * D;
@@ -168,8 +184,10 @@ void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers
     Clock clock{seconds};
     for (int64_t l = 0; l < n_layers; ++l) {
         const Layer& L = layers[l];
-        float* kbuf = keys[l];
-        float* vbuf = values[l];
+        float* kbuf = static_cast<float*>(keys[l]);
+        float* vbuf = static_cast<float*>(values[l]);
+        uint16_t* khalf = static_cast<uint16_t*>(keys[l]);
+        uint16_t* vhalf = static_cast<uint16_t*>(values[l]);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
         for (int64_t r = 0; r < M; ++r)
             rms_norm_row(hidden + r * E, L.norm1, static_cast<float>(L.eps1), E, xn.data() + r * E);
@@ -198,13 +216,24 @@ void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers
             for (int64_t h = 0; h < H; ++h) rotate_head(qr + h * D, c, s, D, qrot.data() + ((b * H + h) * W + w) * D);
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t slot = ((b * Hkv + h) * capacity + past + w) * D;
-                rotate_head(kr + h * D, c, s, D, kbuf + slot);
-                memcpy(vbuf + slot, vr + h * D, sizeof(float) * D);
+                if (kv_half) {
+                    alignas(32) float rotated[MAX_HEAD_DIM];
+                    rotate_head(kr + h * D, c, s, D, rotated);
+                    store_half(rotated, D, khalf + slot);
+                    store_half(vr + h * D, D, vhalf + slot);
+                } else {
+                    rotate_head(kr + h * D, c, s, D, kbuf + slot);
+                    memcpy(vbuf + slot, vr + h * D, sizeof(float) * D);
+                }
             }
         }
         clock.lap(ROTARY_CACHE);
-        specviz_attention(qrot.data(), kbuf, vbuf, sees, B, H, Hkv, W, past + W, capacity, D, scaling, att.data(),
-                          nthreads);
+        if (kv_half)
+            specviz_attention_f16kv(qrot.data(), khalf, vhalf, sees, B, H, Hkv, W, past + W, capacity, D, scaling,
+                                    att.data(), nthreads);
+        else
+            specviz_attention(qrot.data(), kbuf, vbuf, sees, B, H, Hkv, W, past + W, capacity, D, scaling,
+                              att.data(), nthreads);
         clock.lap(ATTENTION);
         project(L.o, att.data(), M, HD, proj.data(), nthreads);
         clock.lap(OUTPUT);

@@ -91,7 +91,7 @@ def time_steps(step: Callable[[], None], repeat: int) -> float:
 @torch.inference_mode()
 def text_draft_figures(pair, prompt: list[int], output: list[int], ks: list[int], repeat: int) -> dict[str, Any]:
     """The acceptance table and the draft's step time per K for a causal-LM pair."""
-    from specviz.text.source import CausalLMDecoder, text_vocabulary
+    from specviz.text.source import CausalLMDecoder, draft_kv_dtype, text_vocabulary
 
     full = torch.tensor([prompt + output], device=pair.device)
     span = slice(len(prompt) - 1, len(prompt) - 1 + len(output))
@@ -103,7 +103,7 @@ def text_draft_figures(pair, prompt: list[int], output: list[int], ks: list[int]
     steps = []
     for k in ks:
         head = subset_head(pair.draft, pair.vocab_size, k, specials | set(prompt))
-        decoder = CausalLMDecoder(pair.draft, pair.vocab_size, 1, head)
+        decoder = CausalLMDecoder(pair.draft, pair.vocab_size, 1, head, kv_dtype=draft_kv_dtype(pair.draft))
         decoder.prefill([prompt[:-1]])
 
         def step() -> None:

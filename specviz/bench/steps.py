@@ -22,12 +22,12 @@ from specviz.text.source import CausalLMDecoder
 
 @torch.inference_mode()
 def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: int = 5,
-               warmup: int = 2, head: SubsetHead | None = None) -> dict:
+               warmup: int = 2, head: SubsetHead | None = None, kv_dtype: torch.dtype = torch.float32) -> dict:
     """{"prefill_s": seconds for the prompt, "steps": [{"tokens": M, "seconds": median, "ratio": to M = 1,
     "linear_share": the fraction of a step inside the linear layers, "outside": {kind: fraction of a step} for
     the rest where the native layers time it (norm, rotary_cache, attention, swiglu, residual, and "other": the
-    embedding, mask, final norm and Python)}]}."""
-    decoder = CausalLMDecoder(model, vocab, 1, head)
+    embedding, mask, final norm and Python)}]}. kv_dtype: the keys and values a run keeps (a draft's: fp16)."""
+    decoder = CausalLMDecoder(model, vocab, 1, head, kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     decoder.prefill([prompt])
     prefill_s = time.perf_counter() - t0

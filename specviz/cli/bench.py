@@ -106,6 +106,7 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
     from specviz.models.loading import load_model, parse_dtype
     from specviz.models.quant import quantize_draft_int8, quantize_draft_q4
     from specviz.text.prompts import max_prompt_tokens, summarization_prompt
+    from specviz.text.source import draft_kv_dtype
 
     article = common.articles(args)[0][1]
     device = torch.device(args.device or "cpu")
@@ -129,7 +130,9 @@ def cmd_bench_steps(args: argparse.Namespace) -> int:
         prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))
         head = (subset_head(model, model.config.vocab_size, TEXT_DRAFT.draft_vocab, special_ids(tokenizer) | set(prompt))
                 if weights == REDUCED else None)
-        costs = step_costs(model, model.config.vocab_size, prompt[:-1], args.tokens, repeat=args.repeat, head=head)
+        kv = draft_kv_dtype(model) if role == "draft" else torch.float32  # the keys and values a run keeps
+        costs = step_costs(model, model.config.vocab_size, prompt[:-1], args.tokens, repeat=args.repeat, head=head,
+                           kv_dtype=kv)
         rows.append({"role": role, "model": label, "weights": weights, "bytes_per_step": weight_bytes(model, head),
                      "linear_macs_per_token": linear_params(model, head), **costs})
         del model

@@ -176,11 +176,14 @@ class BufferedCache(DynamicCache):
 
     reserve: the capacity (slots) each layer allocates on its first write, when the caller knows the total
     (prompt + new tokens + holes); 0 allocates the first write plus `headroom`. Growth past it doubles.
+    kv_dtype: what the native layers keep keys and values as (fp16 for a draft model: half the bytes).
     """
 
-    def __init__(self, reserve: int = 0, headroom: int = HEADROOM):
+    def __init__(self, reserve: int = 0, headroom: int = HEADROOM, kv_dtype: torch.dtype = torch.float32):
         Cache.__init__(self, layers=[])  # not DynamicCache's: it would replicate plain DynamicLayers
         self.reserve_slots, self.headroom = reserve, headroom
+        # what the native layers (models/native_forward.py) write keys and values as; other forwards write their own
+        self.kv_dtype = kv_dtype
 
     def reserve(self, slots: int, headroom: int | None = None) -> None:
         """Layers not yet written allocate at least `slots` on their first write (written ones keep their

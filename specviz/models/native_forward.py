@@ -23,6 +23,8 @@ import torch
 from specviz.models import cpu_kernels
 from specviz.models.packed import PackedLinear
 
+KV_DTYPES = (torch.float32, torch.float16)  # what a cache's kv_dtype may ask of the native layers
+MAX_HALF_HEAD_DIM = 512  # decoder_cpu.cpp's MAX_HEAD_DIM
 STAGES = ("norm", "qkv", "rotary_cache", "attention", "output", "gate_up", "swiglu", "down", "residual")
 MATMUL_STAGES = ("qkv", "output", "gate_up", "down")
 
@@ -114,16 +116,22 @@ class NativeLayers:
     def run(self, hidden: torch.Tensor, cache, past: int, cos: torch.Tensor, sin: torch.Tensor,
             sees: torch.Tensor) -> None:
         """hidden [B, W, E] fp32 contiguous, updated in place through every layer; cache: the BufferedCache holding
-        `past` slots per layer, whose next W the layers write their keys and values into; cos, sin [B, W, D] fp32
+        `past` slots per layer, whose next W the layers write their keys and values into (in its kv_dtype: fp32, or
+        fp16 for a draft, rounded as they are written); cos, sin [B, W, D] fp32
         contiguous; sees [B, W, past + W] uint8 contiguous. Checked before the cache hands out any slot."""
         self._check(hidden, cos, sin, sees, past)
         B, W, E = hidden.shape
         _, H, Hkv, D, I = self.shape
-        keys, values, capacity = self._claim(cache, hidden.new_empty(B, Hkv, W, D), past)
+        kv_dtype = getattr(cache, "kv_dtype", torch.float32)
+        if kv_dtype not in KV_DTYPES or (kv_dtype == torch.float16 and D > MAX_HALF_HEAD_DIM):
+            raise ValueError(f"the native layers keep keys and values in fp32, or fp16 for heads of at most "
+                             f"{MAX_HALF_HEAD_DIM}; asked for {kv_dtype} at head size {D}")
+        keys, values, capacity = self._claim(cache, hidden.new_empty(B, Hkv, W, D, dtype=kv_dtype), past)
         seconds = _timing.seconds_for(threading.get_ident())
         cpu_kernels.library().specviz_decoder_layers(
             hidden.data_ptr(), self.array, self.layers, (ctypes.c_void_p * self.layers)(*keys),
-            (ctypes.c_void_p * self.layers)(*values), capacity, past, cos.data_ptr(), sin.data_ptr(),
+            (ctypes.c_void_p * self.layers)(*values), int(kv_dtype == torch.float16), capacity, past,
+            cos.data_ptr(), sin.data_ptr(),
             sees.data_ptr(), B, W, E, H, Hkv, D, I, self.scaling,
             None if seconds is None else seconds.ctypes.data, torch.get_num_threads())
 

@@ -142,8 +142,8 @@ def _load() -> ctypes.CDLL:
                       lib.specviz_q4a8_super_matmul,
                       lib.specviz_q8a8_super_matmul]
     if lib.specviz_has_decoder():  # layers: an array of decoder_cpu.cpp's Layer (specviz.models.native_forward)
-        lib.specviz_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64,
-                                               i64, i64, i64, ctypes.c_float, ptr, cint]
+        lib.specviz_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64,
+                                               i64, i64, i64, i64, ctypes.c_float, ptr, cint]
         lib.specviz_rms_norm_rows.argtypes = [ptr, ptr, ctypes.c_float, i64, i64, ptr]
         functions += [lib.specviz_decoder_layers, lib.specviz_rms_norm_rows]
     lib.specviz_q4_interleave.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]

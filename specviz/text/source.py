@@ -21,8 +21,9 @@ class CausalLMDecoder(SlottedDecoder):
     into preallocated buffers, where DynamicCache would copy the whole cache at every step (issue 29)."""
 
     def __init__(self, model, vocab: int, batch: int, head: SubsetHead | None = None,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, kv_dtype: torch.dtype = torch.float32):
         self.model, self.vocab, self.head = model, vocab, head
+        self.kv_dtype = kv_dtype  # what the native layers keep keys and values as (draft_kv_dtype)
         # the lean forward is attached only to packed models on the batch-invariant attention
         self.reads_in_pieces = getattr(model, "lean_forward", None) is not None
         self._max_batch = batch  # rows a static cache holds: a shared prefill's rows are copied up to this
@@ -30,10 +31,11 @@ class CausalLMDecoder(SlottedDecoder):
 
     def _new_cache(self) -> BufferedCache:
         graphed = getattr(self.model, "graphed_forward", None)  # set by models.graphed.attach on CUDA
-        return BufferedCache() if graphed is None else StaticCache(graphed, self._max_batch)
+        return BufferedCache(kv_dtype=self.kv_dtype) if graphed is None else StaticCache(graphed, self._max_batch)
 
     def _new_prompt_cache(self) -> BufferedCache:
-        return BufferedCache()  # a prompt's entry is stored for reuse: exactly its own slots, not a workspace
+        # a prompt's entry is stored for reuse: exactly its own slots, not a workspace
+        return BufferedCache(kv_dtype=self.kv_dtype)
 
     def _run(self, input_ids, attention_mask, position_ids, keep, cache, rows) -> torch.Tensor:
         graphed = getattr(self.model, "graphed_forward", None)
@@ -50,6 +52,14 @@ class CausalLMDecoder(SlottedDecoder):
             return self.model(**inputs, logits_to_keep=keep).logits[:, -keep:, : self.vocab]
         # the reduced draft head: the base model's hidden states, then only the head's rows
         return self.head(self.model.base_model(**inputs).last_hidden_state[:, -keep:])
+
+
+def draft_kv_dtype(model) -> torch.dtype:
+    """fp16 keys and values for a draft model on the native layers (half the bytes its attention reads: over a long
+    document a tenth of its step), fp32 otherwise. Exactness does not depend on the draft's numbers, only on
+    verification using the q it drew from; the target keeps fp32, the model both runs decode."""
+    lean = getattr(model, "lean_forward", None)
+    return torch.float16 if lean is not None and lean.native is not None else torch.float32
 
 
 def text_vocabulary(pair: ModelPair) -> Vocabulary:
@@ -75,8 +85,8 @@ class TextSource:
 
     def decoders(self, rows: list[int], with_draft: bool) -> tuple[CausalLMDecoder | None, CausalLMDecoder]:
         pair = self.pair
-        draft = (CausalLMDecoder(pair.draft, pair.vocab_size, len(rows), self.draft_head, pair.draft_prompts)
-                 if with_draft else None)
+        draft = (CausalLMDecoder(pair.draft, pair.vocab_size, len(rows), self.draft_head, pair.draft_prompts,
+                                 draft_kv_dtype(pair.draft)) if with_draft else None)
         return draft, CausalLMDecoder(pair.target, pair.vocab_size, len(rows), prompt_cache=pair.target_prompts)
 
     def detokenize(self, ids: list[int]) -> str:

@@ -227,6 +227,27 @@ def test_compare_rounds_report_spread(tiny_pair, prompt_ids):
     assert "3 interleaved rounds" in note and "noisy" in note
 
 
+def test_a_compare_row_predicts_round_by_round_as_it_measures(tiny_pair, prompt_ids):
+    """The row's prediction pairs round r's run with round r's target-only, as its measured speedup does (the
+    median of per-round figures), not the median run with the median reference: the host drifts between rounds
+    by more than a prediction's own error."""
+    import statistics
+
+    from specviz.runs.compare import _row
+    from specviz.traces.prediction import predict
+
+    source = prompts_source(tiny_pair, [prompt_ids])
+    runner = source_runner(source)
+    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=12, gamma_policy="constant", gamma_init=3)
+    references = [runner(cfg, True) for _ in range(3)]
+    runs = [runner(cfg, False) for _ in range(3)]
+    row = _row("exact", runs, references)
+    by_round = [predict(t, ref.decode_tokens_per_s).speedup for t, ref in zip(runs, references)]
+    assert row.predicted_speedup == pytest.approx(statistics.median(by_round))
+    assert row.speedup_decode == pytest.approx(statistics.median(
+        t.decode_tokens_per_s / ref.decode_tokens_per_s for t, ref in zip(runs, references)))
+
+
 def test_settings_restore_from_page_and_cli_traces(tiny_pair, prompt_ids):
     settings = Settings(mode="sigmoid", temperature=0.5, sequences=2, max_new_tokens=64, draft_vocab="4096")
     assert Settings.from_meta({"page_settings": settings.to_dict()}) == settings

@@ -600,6 +600,34 @@ def test_prediction_sets_the_run_against_a_measured_reference(tiny_pair, prompt_
         assert predict(trace).plain_from == "costs" and predict(trace).speedup == pytest.approx(priced.speedup)
 
 
+@pytest.mark.parametrize("returns", [True, False], ids=["model-returns", "model-sits-out"])
+def test_prediction_prices_the_drafts_catching_up_where_the_run_paid_it(tiny_pair, prompt_ids, monkeypatch,
+                                                                      returns):
+    """A draft model that sat out ten plain steps first reads the 11 tokens it missed where it drafts again: the
+    prediction prices that reading there, once; where it never drafts again, nothing (charged to every iteration it
+    sat out instead, a batch of 4 read 0.89× predicted against 1.09× measured)."""
+    from specviz.traces import prediction
+
+    script = [1] + [0] * 10 + ([1, 1] if returns else [0, 0])
+    monkeypatch.setattr(engine, "make_policy", lambda *a, **k: Scripted(script))
+    trace = decode(tiny_pair, [prompt_ids], SpecConfig(mode="exact", max_new_tokens=len(script) + 4))
+    assert [s.gamma for s in trace.steps][:len(script)] == script
+    read = []
+
+    def catching_up(draft_s, target, tokens):
+        read.append(tokens)
+        return draft_s + 0.5  # half a second more than one draft step: visible in the prediction
+
+    plain = prediction.predict(trace)
+    monkeypatch.setattr(prediction, "catch_up_s", catching_up)
+    priced = prediction.predict(trace)
+    assert read == ([pytest.approx(11.0)] if returns else [])
+    if returns:  # the stub's extra half second is in the run's priced time
+        assert priced.speedup < plain.speedup * 0.9
+    else:
+        assert priced.speedup == pytest.approx(plain.speedup)
+
+
 def test_traces_without_a_cost_table_predict_nothing(tiny_pair, prompt_ids):
     from specviz.figures import report
     from specviz.traces.prediction import predict

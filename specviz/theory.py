@@ -27,6 +27,20 @@ def expected_tokens_by_gamma(alphas: Sequence[float], max_gamma: int) -> list[fl
     return out
 
 
+def token_variance_by_gamma(alphas: Sequence[float], max_gamma: int) -> list[float]:
+    """The variance of the tokens an iteration appends, for every γ in 0..max_gamma (index γ), with α by position as
+    in expected_tokens_by_gamma: from P(tokens ≥ m) = Π_{j<m-1} α_j, E[tokens²] = Σ_m (2m - 1) P(tokens ≥ m)."""
+    out = [0.0]
+    mean = square = reach = 1.0
+    for k in range(max_gamma):
+        a = alphas[min(k, len(alphas) - 1)] if alphas else 0.0
+        reach *= min(max(a, 0.0), 1.0)
+        mean += reach
+        square += (2 * k + 3) * reach
+        out.append(max(0.0, square - mean * mean))
+    return out
+
+
 def expected_tokens_by_position(alphas: Sequence[float], gamma: int) -> float:
     """Expected tokens an iteration appends when the draft at position k passes with probability alphas[k]
     given that every earlier one passed: Σ_{k=0..γ} Π_{j<k} α_j (the last α repeats beyond the list; none: 0).

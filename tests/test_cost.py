@@ -486,20 +486,55 @@ def test_the_priced_plan_names_who_drafts_by_expected_tokens_per_second():
     assert plain.plan([0], [8]).kind == "lookup"
 
 
+def test_a_batch_pays_for_its_slowest_row_near_its_end():
+    """batch_tokens: after n drafting iterations the slowest of B rows trails the mean by about c_B · σ · √n tokens,
+    checked by simulation (4 rows, γ = 1 at α = 0.8, n = 36: 20,000 batches, within 5%), and spread over the
+    iterations left; nothing changes for one row, a plain step, or a run whose rows' budgets are not known. A
+    priced batch plan that pays early in a run is a plain step when a few tokens are left."""
+    from specviz.decoding.expectation import batch_tokens, expected_max_of_normals
+
+    assert expected_max_of_normals(1) == 0 and expected_max_of_normals(2) == pytest.approx(1 / math.sqrt(math.pi),
+                                                                                          abs=1e-4)
+    assert expected_max_of_normals(4) == pytest.approx(1.0294, abs=1e-3)
+    rng = np.random.default_rng(0)
+    rows, n, alpha = 4, 36, 0.8
+    made = 1 + (rng.random((20000, n, rows)) < alpha).sum(1)  # tokens per row after n iterations
+    shortfall = (made.mean(-1) - made.min(-1)).mean()
+    sigma = math.sqrt(alpha * (1 - alpha))
+    assert shortfall == pytest.approx(expected_max_of_normals(rows) * sigma * math.sqrt(n), rel=0.05)
+    drafting = [(1 + alpha, sigma ** 2)] * rows
+    tied = [round(n * (1 + alpha))] * rows
+    loss = rows * (1 + alpha) - batch_tokens(drafting, tied)  # per iteration: the total spread over the n left
+    assert loss * n == pytest.approx(rows * expected_max_of_normals(rows) * sigma * math.sqrt(n), rel=0.02)
+    assert batch_tokens(drafting) == batch_tokens(drafting[:1], tied[:1]) * rows == rows * (1 + alpha)
+    assert batch_tokens([(1.0, 0.0)] * rows, tied) == rows  # plain
+    assert rows * (1 + alpha) - batch_tokens(drafting, [8] * rows) > 2 * loss  # near the end
+    costs = CostModel()
+    for m in CALIBRATION_TOKENS:
+        costs.set_target(4, m, 0.060 + 0.030 * (m - 1))
+    costs.set_plain(4, 0.060)
+    costs.set_draft(4, 0.005)
+    policy = CostAware(costs=costs)
+    for _ in range(30):
+        policy.by_drafter["model"].add({s: [0.75] for s in range(4)})
+    assert policy.plan([0, 1, 2, 3], [0] * 4, remaining=[200] * 4) == Plan(1, "model")  # 1.08× expected
+    assert policy.plan([0, 1, 2, 3], [0] * 4, remaining=[4] * 4) == Plan(0, "")
+
+
 def test_a_draft_model_that_sat_out_drafts_again_only_where_its_catching_up_pays():
     """After plain steps or lookup iterations the draft model first reads the tokens it missed (one forward over
     `lag` tokens: 0.001 s · target(lag) / target(1) here); it comes back only where its plans' saving over the
     rest of the run, against the best plan without it, covers that."""
     policy = _priced_policy(0.004, 0.9, 0.1)
-    assert policy.plan([0], [0], lag=2, remaining=1).kind == "model"  # 1-2 tokens: what any first draft reads
-    assert policy.plan([0], [0], lag=40, remaining=0).kind == "model"  # the run's length unknown: no limit
-    assert policy.plan([0], [0], lag=40, remaining=200).kind == "model"  # a long run left: it pays back
-    assert policy.plan([0], [0], lag=40, remaining=3) == Plan(0, "")  # three tokens left: it cannot
+    assert policy.plan([0], [0], lag=2, remaining=[1]).kind == "model"  # 1-2 tokens: what any first draft reads
+    assert policy.plan([0], [0], lag=40, remaining=[]).kind == "model"  # the run's length unknown: no limit
+    assert policy.plan([0], [0], lag=40, remaining=[200]).kind == "model"  # a long run left: it pays back
+    assert policy.plan([0], [0], lag=40, remaining=[3]) == Plan(0, "")  # three tokens left: it cannot
     # a continuation that passes half the time: below the model while it keeps up; once the model sits out for
     # good, lookup (which reads nothing first, and leaves no catch-up to price) beats a plain step
     lookup = _priced_policy(0.004, 0.9, 0.5)
-    assert lookup.plan([0], [8], lag=1, remaining=200).kind == "model"
-    assert lookup.plan([0], [8], lag=40, remaining=3).kind == "lookup"
+    assert lookup.plan([0], [8], lag=1, remaining=[200]).kind == "model"
+    assert lookup.plan([0], [8], lag=40, remaining=[3]).kind == "lookup"
     # the boundary: the saving of the best model plan over plain steps equals the catch-up's extra reading, with
     # the target's curve extended past its calibrated points (40 tokens: 0.004 · 0.049 / 0.010 s)
     costs = policy.costs
@@ -509,8 +544,8 @@ def test_a_draft_model_that_sat_out_drafts_again_only_where_its_catching_up_pays
     extra = 0.004 * (0.010 + 0.001 * 39) / 0.010 - 0.004
     boundary = extra / (costs.plain_s(1) * (1 - 1 / best))
     assert 3 < boundary < 200
-    assert policy.plan([0], [0], lag=40, remaining=math.ceil(boundary + 1e-9)).kind == "model"
-    assert policy.plan([0], [0], lag=40, remaining=math.floor(boundary - 1e-9)) == Plan(0, "")
+    assert policy.plan([0], [0], lag=40, remaining=[math.ceil(boundary + 1e-9)]).kind == "model"
+    assert policy.plan([0], [0], lag=40, remaining=[math.floor(boundary - 1e-9)]) == Plan(0, "")
 
 
 PRICED_SCRIPTS = {"plain-then-lookup": ([0, 2], ["", "lookup"]), "lookup-then-model": ([1, 2], ["lookup", "model"]),

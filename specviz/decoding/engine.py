@@ -211,7 +211,7 @@ def _next(run: RunState, batch: Batch, proposers: dict[str, Proposer]) -> tuple[
     candidates = {s.sequence: lookup(s.tokens, MAX_GAMMA, run.vocab.eos, min_ngram=run.cfg.lookup_ngram)
                   for s in batch.live}
     plan = run.policy.plan([s.sequence for s in batch.live], [len(candidates[s.sequence]) for s in batch.live],
-                           lag=batch.draft_lag(), remaining=max(s.remaining for s in batch.live))
+                           lag=batch.draft_lag(), remaining=[s.remaining for s in batch.live])
     return plan.gamma, plan.kind, candidates
 
 

@@ -13,11 +13,13 @@ from the acceptance by draft position (specviz.theory.expected_tokens_by_positio
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Sequence
 
 from specviz.decoding.calibration import MAX_GAMMA
 from specviz.decoding.cost import CostModel
-from specviz.theory import expected_tokens_by_gamma
+from specviz.theory import expected_tokens_by_gamma, token_variance_by_gamma
 
 
 def expected_speedup(costs: CostModel, batch: int, gamma: int, alphas_by_row: Sequence[Sequence[float]]) -> float:
@@ -61,6 +63,42 @@ def break_even_alpha(costs: CostModel, batch: int, gamma: int) -> float | None:
     return hi
 
 
+@functools.lru_cache(maxsize=64)
+def expected_max_of_normals(n: int) -> float:
+    """E[max of n independent standard normal variables] (0 for one; 1.03 for four, 1.42 for eight), by the
+    trapezoid rule over ±8: ∫ x · n φ(x) Φ(x)^(n-1) dx."""
+    if n <= 1:
+        return 0.0
+    step, total = 0.01, 0.0
+    for i in range(-800, 801):
+        x = i * step
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * n * density * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1) * step
+    return total
+
+
+def batch_tokens(rows: Sequence[tuple[float, float]], remaining: Sequence[int] = ()) -> float:
+    """What an iteration's rows, each (expected tokens, their variance), are worth to a batch that ends with its
+    slowest row, in tokens over the rows: their sum for one row or where `remaining` (the tokens each row may
+    still emit) is not known.
+
+    Rows that draft move on by random amounts, so after n iterations the slowest trails the mean by about
+    c_B · σ · √n tokens (c_B: the expected maximum of B standard normals; σ² the rows' mean variance), which the
+    batch then pays in iterations of a few rows (a batch of 4 on the CPU: 2-4 of them, ~5% of a 64-token run; at
+    break even, the margin). Spread over the n ≈ remaining / (tokens a row an iteration) iterations left, that
+    comes off each iteration: c_B · σ / √n a row, small early in a run and large near its end. (Pricing only the
+    rows with the most left, which end the batch, was tried: it stepped plainly where lookup paid on average,
+    since which row trails changes from one iteration to the next.)"""
+    total = sum(e for e, _ in rows)
+    batch = len(rows)
+    if batch <= 1 or len(remaining) != batch or total <= 0:
+        return total
+    per_row = total / batch
+    variance = sum(v for _, v in rows) / batch
+    left = max(1.0, max(remaining) / per_row)
+    return batch * (per_row - expected_max_of_normals(batch) * math.sqrt(variance / left))
+
+
 def catch_up_s(draft_s: float, target: Sequence[float], tokens: float) -> float:
     """The draft model reading `tokens` it did not draft (after prompt lookup drafted), in one forward: a draft
     step scaled as the target's calls scale with the tokens they read (target[k]: scoring k + 1 tokens).
@@ -72,7 +110,8 @@ def catch_up_s(draft_s: float, target: Sequence[float], tokens: float) -> float:
 
 def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequence[float]],
                     lookup_alphas: Sequence[Sequence[float]], lookups: Sequence[int],
-                    max_gamma: int = MAX_GAMMA, with_model: bool = True) -> dict[tuple[str, int], float]:
+                    max_gamma: int = MAX_GAMMA, with_model: bool = True,
+                    remaining: Sequence[int] = ()) -> dict[tuple[str, int], float]:
     """The expected speedup of every (who drafts, γ) a priced run can choose, per row r of the batch its α by
     position for each drafter and lookups[r], the length of its prompt-lookup continuation (0: none):
 
@@ -85,21 +124,27 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
     `with_model` False: the draft model sits out for good (the cost policy's `_model_stays_out`): lookup plans
     only, with no catch-up to pay later.
 
+    `remaining` (a batch: the tokens each row may still emit; empty: not known) prices the batch's end, which comes
+    with its slowest row (`batch_tokens`).
+
     A plain target step is 1 by definition; the formula is `speedups`'s with the draft's cost where it runs."""
     plain, draft = costs.plain_s(batch), costs.draft_s(batch)
     fixed = costs.verify_s() + costs.other_s()
     target = costs.target_curve(batch, max_gamma + 1)  # index g: scoring g + 1 tokens per row
     by_model = [expected_tokens_by_gamma(a, max_gamma) for a in model_alphas]
     by_lookup = [expected_tokens_by_gamma(a, max_gamma) for a in lookup_alphas]
+    spread_model = [token_variance_by_gamma(a, max_gamma) for a in model_alphas]
+    spread_lookup = [token_variance_by_gamma(a, max_gamma) for a in lookup_alphas]
     found = [r for r, n in enumerate(lookups) if n > 0]
     missing = [r for r, n in enumerate(lookups) if n == 0]
     table: dict[tuple[str, int], float] = {}
 
-    def speedup(tokens: float, seconds: float) -> float:
-        return tokens * plain / (batch * seconds)
+    def speedup(rows: list[tuple[float, float]], seconds: float) -> float:  # rows: (expected tokens, variance)
+        return batch_tokens(rows, remaining) * plain / (batch * seconds)
 
     for g in range(1, max_gamma + 1):
-        table[("model", g)] = speedup(sum(e[g] for e in by_model), g * draft + target[g] + fixed)
+        table[("model", g)] = speedup([(e[g], v[g]) for e, v in zip(by_model, spread_model)],
+                                      g * draft + target[g] + fixed)
     # The model catches up on the tokens it did not draft at its next draft (catch_up_s): only where its drafts
     # pay at all; otherwise it will not draft again.
     model_pays = with_model and max(table.values()) > 1.0
@@ -110,14 +155,14 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
     for g in range(1, max_gamma + 1):
         if not found:
             break
-        lookup_tokens = sum(by_lookup[r][min(lookups[r], g)] for r in found)
-        widest = max(by_lookup[r][min(lookups[r], g)] for r in found)  # what the model's catch-up reads
+        looked_up = {r: (by_lookup[r][min(lookups[r], g)], spread_lookup[r][min(lookups[r], g)]) for r in found}
+        widest = max(e for e, _ in looked_up.values())  # what the model's catch-up reads
         if g <= max(lookups[r] for r in found):  # a longer γ proposes nothing more
             # rows without a continuation of lookup_ngram tokens may still match a shorter one: up to γ
             width = g if missing else max(min(lookups[r], g) for r in found)
-            table[("lookup", g)] = speedup(lookup_tokens + len(missing), catch_up(widest) + target[width] + fixed)
+            rows = [looked_up.get(r, (1.0, 0.0)) for r in range(len(lookups))]
+            table[("lookup", g)] = speedup(rows, catch_up(widest) + target[width] + fixed)
         if missing and with_model:
-            modelled = sum(by_model[r][g] for r in missing)
-            table[("lookup+model", g)] = speedup(lookup_tokens + modelled,
-                                                 g * draft + catch_up(widest) + target[g] + fixed)
+            rows = [looked_up.get(r, (by_model[r][g], spread_model[r][g])) for r in range(len(lookups))]
+            table[("lookup+model", g)] = speedup(rows, g * draft + catch_up(widest) + target[g] + fixed)
     return table if with_model else {plan: speedup for plan, speedup in table.items() if plan[0] == "lookup"}

@@ -85,10 +85,11 @@ class Policy(Protocol):
         """γ for the next iteration (0: a plain target step)."""
         ...
 
-    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0, remaining: int = 0) -> Plan:
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0,
+             remaining: Sequence[int] = ()) -> Plan:
         """A priced run's next iteration, for the live rows' sequences and the lengths of their prompt-lookup
         continuations (0: none); `lag`: the most tokens a row's draft model has not read yet (it reads them before
-        it drafts again); `remaining`: the most tokens a row may still emit (0: not known). Only the cost policy
+        it drafts again); `remaining`: the tokens each row may still emit (empty: not known). Only the cost policy
         prices who drafts; the others keep lookup else model."""
         ...
 
@@ -110,7 +111,8 @@ class _Held:
     def current(self) -> int:
         return self.gamma
 
-    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0, remaining: int = 0) -> Plan:
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0,
+             remaining: Sequence[int] = ()) -> Plan:
         return Plan(self.current(), LOOKUP_THEN_MODEL)
 
 
@@ -272,7 +274,8 @@ class CostAware:
         probe = max(range(1, self.max_gamma + 1), key=lambda g: (table[g], -g))
         return probe if self.plain_run >= self.probe_after(batch, probe, table[probe]) else 0
 
-    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0, remaining: int = 0) -> Plan:
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0,
+             remaining: Sequence[int] = ()) -> Plan:
         """The (who drafts, γ) with the highest expected tokens per second (expectation.priced_speedups), a
         plain step where none beats it, and a probe of the best one now and then as `current` does. A draft
         model `lag` tokens behind drafts again only where that pays for its catching up (`_model_stays_out`)."""
@@ -281,9 +284,10 @@ class CostAware:
         keys = list(sequences) if len(sequences) > 1 else [None]
         alphas = ([self.by_drafter[MODEL].alphas(seq, self.max_gamma) for seq in keys],
                   [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys])
-        table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma)
+        table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma, remaining=remaining)
         if self._model_stays_out(len(keys), table, lag, remaining):
-            table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma, with_model=False)
+            table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma, with_model=False,
+                                    remaining=remaining)
             if not table:
                 return Plan(0, "")
         (kind, gamma), best = max(table.items(), key=lambda item: (item[1], -item[0][1]))
@@ -298,7 +302,8 @@ class CostAware:
             return Plan(gamma, kind)
         return Plan(0, "")
 
-    def _model_stays_out(self, batch: int, table: dict[tuple[str, int], float], lag: int, remaining: int) -> bool:
+    def _model_stays_out(self, batch: int, table: dict[tuple[str, int], float], lag: int,
+                         remaining: Sequence[int]) -> bool:
         """Whether a draft model `lag` tokens behind should keep sitting out: before it drafts it reads what it
         missed (one forward over `lag` tokens a row: after 24 plain steps of a batch of 4, 249 ms, 4 plain steps),
         which pays only if its plans then save more than that over the rest of the run (`remaining` tokens at
@@ -310,7 +315,7 @@ class CostAware:
         if with_model <= without:
             return False  # not chosen unless as a probe, which probe_after prices with the catch-up
         extra = self._catch_up_s(batch, lag) - self.costs.draft_s(batch)
-        saved = remaining * self.costs.plain_s(batch) * (1 / without - 1 / with_model)
+        saved = max(remaining) * self.costs.plain_s(batch) * (1 / without - 1 / with_model)
         return saved < extra
 
     def _on_prior(self) -> bool:
@@ -356,7 +361,8 @@ class Replay:
     def current(self) -> int:
         return self.schedule[min(self.index, len(self.schedule) - 1)]
 
-    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0, remaining: int = 0) -> Plan:
+    def plan(self, sequences: Sequence[int], lookups: Sequence[int], *, lag: int = 0,
+             remaining: Sequence[int] = ()) -> Plan:
         kind = self.drafters[min(self.index, len(self.drafters) - 1)] if self.drafters else LOOKUP_THEN_MODEL
         return Plan(self.current(), kind)
 

@@ -649,9 +649,9 @@ def test_prediction_prices_the_drafts_catching_up_where_the_run_paid_it(tiny_pai
     assert [s.gamma for s in trace.steps][:len(script)] == script
     read = []
 
-    def catching_up(draft_s, target, tokens):
+    def catching_up(costs, batch, tokens):
         read.append(tokens)
-        return draft_s + 0.5  # half a second more than one draft step: visible in the prediction
+        return costs.draft_s(batch) + 0.5  # half a second more than one draft step: visible in the prediction
 
     plain = prediction.predict(trace)
     monkeypatch.setattr(prediction, "catch_up_s", catching_up)

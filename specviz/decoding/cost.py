@@ -126,13 +126,18 @@ class CostModel:
 
     def target_curve(self, batch: int, most: int) -> list[float]:
         """target_s(batch, m) for m = 1..most, reading the tables once (the policy asks every iteration)."""
+        return self.target_points(batch, range(1, most + 1))
+
+    def target_points(self, batch: int, tokens: Sequence[int]) -> list[float]:
+        """target_s(batch, m) for each m of `tokens` (a catch-up's reading of hundreds of tokens asks for two
+        points, not the curve up to there)."""
         calibrated = self._calibrated(batch)
         level = _mean(self.level[batch]) if self.level.get(batch) else 1.0
         called = {m: _mean(s) for (b, m), s in self.target.items() if b == batch}
         if not calibrated and not called:
             raise LookupError("no target call measured yet")
         out = []
-        for m in range(1, most + 1):
+        for m in tokens:
             own = self.target.get((batch, m))
             if own and len(own) >= self.TRUST:
                 out.append(_mean(own))

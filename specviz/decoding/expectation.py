@@ -99,13 +99,14 @@ def batch_tokens(rows: Sequence[tuple[float, float]], remaining: Sequence[int] =
     return batch * (per_row - expected_max_of_normals(batch) * math.sqrt(variance / left))
 
 
-def catch_up_s(draft_s: float, target: Sequence[float], tokens: float) -> float:
-    """The draft model reading `tokens` it did not draft (after prompt lookup drafted), in one forward: a draft
-    step scaled as the target's calls scale with the tokens they read (target[k]: scoring k + 1 tokens).
-    Measured: after lookup iterations of ~6 tokens the model's next draft took 113-130 ms against 16 ms for one
-    step."""
-    n = min(len(target), max(1, round(tokens)))
-    return draft_s * target[n - 1] / target[0]
+def catch_up_s(costs: CostModel, batch: int, tokens: float) -> float:
+    """The draft model's first forward when it reads `tokens` a row it did not draft (after prompt lookup or plain
+    steps), in one forward: a draft step scaled as the target's calls scale with the tokens they read, the curve
+    extended past its calibrated points (a catch-up may read more tokens than any γ scores). Measured: after lookup
+    iterations of ~6 tokens the model's next draft took 113-130 ms against 16 ms for one step; after 24 plain steps
+    of a batch of 4, 249 ms."""
+    one, many = costs.target_points(batch, (1, max(1, round(tokens))))
+    return costs.draft_s(batch) * many / one
 
 
 def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequence[float]],
@@ -150,7 +151,7 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
     model_pays = with_model and max(table.values()) > 1.0
 
     def catch_up(tokens: float) -> float:
-        return catch_up_s(draft, target, tokens) if model_pays else 0.0
+        return catch_up_s(costs, batch, tokens) if model_pays else 0.0
 
     for g in range(1, max_gamma + 1):
         if not found:

@@ -314,7 +314,7 @@ class CostAware:
         without = max([1.0] + [s for (kind, _), s in table.items() if kind == LOOKUP])
         if with_model <= without:
             return False  # not chosen unless as a probe, which probe_after prices with the catch-up
-        extra = self._catch_up_s(batch, lag) - self.costs.draft_s(batch)
+        extra = catch_up_s(self.costs, batch, lag) - self.costs.draft_s(batch)
         saved = max(remaining) * self.costs.plain_s(batch) * (1 / without - 1 / with_model)
         return saved < extra
 
@@ -337,13 +337,8 @@ class CostAware:
         lag = self.plain_run + 1 if lag is None else lag
         plain = self.costs.plain_s(batch)
         steps = self.costs.iteration_s(batch, gamma) / plain
-        loss = steps * (1 - speedup) + self._catch_up_s(batch, max(1, lag)) / plain
+        loss = steps * (1 - speedup) + catch_up_s(self.costs, batch, max(1, lag)) / plain
         return min(self.PROBE_MAX, max(self.PROBE_MIN, math.ceil(loss / self.EXPLORE_SHARE)))
-
-    def _catch_up_s(self, batch: int, lag: int) -> float:
-        """The draft model's first forward when it reads `lag` tokens a row (the target's curve extended past
-        its calibrated points: a catch-up may read more tokens than any γ scores)."""
-        return catch_up_s(self.costs.draft_s(batch), self.costs.target_curve(batch, max(lag, 1)), lag)
 
 
 class Replay:

@@ -9,7 +9,6 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from specviz.decoding.calibration import CALIBRATION_TOKENS
 from specviz.decoding.expectation import break_even_alpha, catch_up_s
 from specviz.decoding.records import DRAFTERS, LOOKUP, MODEL, Decision, drafted_by
 from specviz.theory import expected_tokens_by_position
@@ -92,9 +91,7 @@ def predict(trace: Trace, target_only_tokens_per_s: float | None = None) -> Pred
             spec_s -= step.gamma * costs.draft_s(batch)
         if step.gamma and any(d.drafter == MODEL and d.gamma for d in rows):
             if lag > 2:  # 1-2 tokens: what every draft's first forward reads anyway
-                draft = costs.draft_s(batch)
-                spec_s += catch_up_s(draft, costs.target_curve(batch, max(CALIBRATION_TOKENS[-1], round(lag))),
-                                     lag) - draft
+                spec_s += catch_up_s(costs, batch, lag) - costs.draft_s(batch)
             lag = 1.0  # the token verification added
         else:
             lag += tokens / batch if batch else 0.0

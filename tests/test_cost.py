@@ -217,14 +217,14 @@ def test_policy_steps_plainly_and_probes_by_expected_loss_where_nothing_pays():
         p.update(feedback(g, {0: [0.3][:g]}))
     probes = [i for i, g in enumerate(gammas) if g > 0]
     assert probes and all(gammas[i] == 1 for i in probes)  # γ = 1 is the cheapest probe on this curve
-    # a probe right after a draft loses (0.05 + 0.19 + 0.05 draft step) / 0.1 - (1 + α) ≈ 1.6 plain steps: one
-    # probe per ~54 plain steps would keep probing at 3% of the time
+    # a probe right after a draft (nothing to catch up on) loses (0.05 + 0.19) / 0.1 - (1 + α) ≈ 1.1 plain steps:
+    # one probe per ~38 plain steps would keep probing at 3% of the time
     alphas = [p.acceptance.alphas(None, MAX_GAMMA)]
     speedup = expected_speedup(m, 1, 1, alphas)
     spacing = p.probe_after(1, 1, speedup, lag=1)
-    assert spacing == math.ceil((2.9 - expected_tokens_by_position(alphas[0], 1)) / CostAware.EXPLORE_SHARE)
-    # but the draft first reads every token it missed (here each costs 0.9 of its step: 0.45 of a plain step), so
-    # the loss grows faster than the plain run: probes only at the most spacing, PROBE_MAX plain steps
+    assert spacing == math.ceil((2.4 - expected_tokens_by_position(alphas[0], 1)) / CostAware.EXPLORE_SHARE)
+    # but its first forward reads every token the draft missed (here each costs 0.9 of its step: 0.45 of a plain
+    # step), so the loss grows faster than the plain run: probes only at the most spacing, PROBE_MAX plain steps
     assert spacing < p.probe_after(1, 1, speedup, lag=2) < p.probe_after(1, 1, speedup, lag=4) == CostAware.PROBE_MAX
     assert np.diff(probes).tolist() == [CostAware.PROBE_MAX + 1] * (len(probes) - 1)
     assert sum(g == 0 for g in gammas) / len(gammas) > 0.95
@@ -661,6 +661,24 @@ def test_prediction_prices_the_drafts_catching_up_where_the_run_paid_it(tiny_pai
         assert priced.speedup < plain.speedup * 0.9
     else:
         assert priced.speedup == pytest.approx(plain.speedup)
+
+
+def test_prediction_owes_no_catching_up_across_groups(tiny_pair, prompt_ids, batch_prompts, monkeypatch):
+    """Sequences beyond the batch size decode in groups, each with fresh, prefilled decoders: a group that ended on
+    plain steps leaves the next group's draft nothing to catch up on."""
+    from specviz.traces import prediction
+
+    cfg = SpecConfig(mode="exact", max_new_tokens=8)
+    script = [1] + [0] * 6 + [1] * 20  # greedy: the first group ends on plain steps, the second drafts from its start
+    monkeypatch.setattr(engine, "make_policy", lambda *a, **k: Scripted(script))
+    trace = decode(tiny_pair, [prompt_ids, batch_prompts[0]], cfg, batch_size=1)
+    groups = [s.sequences for s in trace.steps]
+    second = groups.index([1])
+    assert all(s.gamma == 0 for s in trace.steps[second - 3:second]) and trace.steps[second].gamma > 0
+    read = []
+    monkeypatch.setattr(prediction, "catch_up_s", lambda costs, batch, tokens: read.append(tokens) or 0.0)
+    prediction.predict(trace)
+    assert read == []
 
 
 def test_traces_without_a_cost_table_predict_nothing(tiny_pair, prompt_ids):

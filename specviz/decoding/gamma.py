@@ -206,7 +206,13 @@ class CostAware:
     probe), so that a draft that got better on an easier stretch of text is found again. A probe costs
     what its iteration is expected to lose against a plain step plus the draft's catching up on the tokens
     it missed; probes are spaced so that they take about EXPLORE_SHARE of the plain steps' time (every
-    2 to 64 plain steps): often where drafting nearly pays, rarely where it is far from paying.
+    2 to 64 plain steps): often where drafting nearly pays and the draft has little to catch up on, at most
+    PROBE_MAX apart after a long plain run (its catching up grows faster than the share: `probe_after`).
+
+    In a priced run (`plan`) a draft model that sat out (after plain steps or lookup) comes back only where its
+    plans save more over the rest of the run than its catching up costs (`_model_stays_out`), and a batch's
+    iterations are priced less the tail they leave (the batch ends with its slowest row:
+    expectation.batch_tokens).
 
     The other way round, drafting iterations never measure the plain step that every γ is weighed against: its
     price is the calibration's, scaled by the run's level, and that misses when the cost curve's shape drifts
@@ -297,7 +303,7 @@ class CostAware:
             return Plan(gamma, kind)
         if best > 1.0 and self._plain_probe_due(len(keys), best):
             return Plan(0, "")
-        behind = lag if kind != LOOKUP else 1  # lookup reads nothing; the model first reads what it missed
+        behind = lag if kind != LOOKUP else 1  # lookup reads nothing (1: no reading beyond a step's own)
         if best > 1.0 or self.plain_run >= self.probe_after(len(keys), gamma, best, behind):
             return Plan(gamma, kind)
         return Plan(0, "")
@@ -331,13 +337,16 @@ class CostAware:
 
     def probe_after(self, batch: int, gamma: int, speedup: float, lag: int | None = None) -> int:
         """Plain steps between probes: a probe's expected loss, in plain steps, over EXPLORE_SHARE. A probe
-        at γ takes iteration_s(γ) plus the draft first reading the `lag` tokens it missed (catch_up_s; by default
-        one per plain step since it last drafted) where plain steps would have made the same tokens in
-        speedup · iteration_s(γ)."""
+        at γ takes iteration_s(γ), its first draft forward reading the `lag` tokens the draft missed (catch_up_s;
+        by default one per plain step since it last drafted) instead of one, where plain steps would have made the
+        same tokens in speedup · iteration_s(γ). The reading grows with the plain run (on the text pair by ~0.05
+        of a plain step a step, more than EXPLORE_SHARE), so after a long plain run probes come PROBE_MAX apart:
+        that is what they cost here; a draft that got better is found again as its α fades back to the prior."""
         lag = self.plain_run + 1 if lag is None else lag
         plain = self.costs.plain_s(batch)
         steps = self.costs.iteration_s(batch, gamma) / plain
-        loss = steps * (1 - speedup) + catch_up_s(self.costs, batch, max(1, lag)) / plain
+        reading = catch_up_s(self.costs, batch, max(1, lag)) - self.costs.draft_s(batch)
+        loss = steps * (1 - speedup) + reading / plain
         return min(self.PROBE_MAX, max(self.PROBE_MIN, math.ceil(loss / self.EXPLORE_SHARE)))
 
 

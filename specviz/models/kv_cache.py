@@ -9,8 +9,8 @@ new entries. The views hold the same numbers as DynamicCache's tensors, and atte
 same order, so a position's logits are the same bits (tests/test_kv_cache.py).
 
 Everything the slotted decoder asks of a cache works in place or by a copy of the used length only: `crop`
-(a shorter view), `batch_select_indices` (rows leave or repeat), and `place_rows` (prompts prefilled one by
-one, merged left-padded).
+(a shorter view), `batch_select_indices` (rows leaving move down in place; rows that repeat, a copy), and
+`place_rows` (prompts prefilled one by one, merged left-padded).
 """
 
 from __future__ import annotations

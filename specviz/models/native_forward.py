@@ -105,6 +105,9 @@ class NativeLayers:
         keys, values, capacity = [], [], None
         for i in range(self.layers):
             k, v, start = cache.claim(i, like)
+            if k.dtype != like.dtype or v.dtype != like.dtype:  # the kernel would write one format into the other
+                raise ValueError(f"layer {i} of the cache holds {k.dtype} keys and values; the native layers were "
+                                 f"asked to write {like.dtype}")
             capacity = k.shape[2] if capacity is None else capacity
             if start != past or k.shape[2] != capacity:  # the cache's layers grow together; the kernel takes one
                 raise ValueError(f"layer {i} of the cache holds {start} of {k.shape[2]} slots, layer 0 {past} of "

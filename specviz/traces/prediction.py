@@ -82,8 +82,12 @@ def predict(trace: Trace, target_only_tokens_per_s: float | None = None) -> Pred
     reference = _reference_rate(trace, target_only_tokens_per_s)
     spec_s = target_only_s = predicted_tokens = 0.0
     lag = 0.0  # tokens a row has made since the draft model last read its row, expected
+    previous: set[int] = set()
     for step in trace.steps:
         batch = len(step.sequences)
+        if not set(step.sequences) <= previous:  # a new group: fresh decoders, prefilled, nothing to catch up on
+            lag = 0.0
+        previous = set(step.sequences)
         rows = by_step.get(step.index, [])
         tokens = sum(expected_tokens_by_position(by_drafter[d.drafter], d.gamma) if d.gamma else 1.0 for d in rows)
         spec_s += costs.iteration_s(batch, step.gamma)

@@ -56,8 +56,8 @@ class CausalLMDecoder(SlottedDecoder):
 
 def draft_kv_dtype(model) -> torch.dtype:
     """fp16 keys and values for a draft model on the native layers (half the bytes its attention reads: over an
-    836-token document its step 9.91 → 8.95 ms), fp32 otherwise. Exactness does not depend on the draft's numbers, only on
-    verification using the q it drew from; the target keeps fp32, the model both runs decode."""
+    836-token document its step 9.91 → 8.95 ms), fp32 otherwise. Exactness does not depend on the draft's
+    numbers, only on verification using the q it drew from; the target keeps fp32, the model both runs decode."""
     lean = getattr(model, "lean_forward", None)
     return torch.float16 if lean is not None and lean.native is not None else torch.float32
 

@@ -112,15 +112,14 @@ def catch_up_s(costs: CostModel, batch: int, tokens: float) -> float:
 def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequence[float]],
                     lookup_alphas: Sequence[Sequence[float]], lookups: Sequence[int],
                     max_gamma: int = MAX_GAMMA, with_model: bool = True,
-                    remaining: Sequence[int] = (), lag: int = 1) -> dict[tuple[str, int], float]:
+                    remaining: Sequence[int] = ()) -> dict[tuple[str, int], float]:
     """The expected speedup of every (who drafts, γ) a priced run can choose, per row r of the batch its α by
     position for each drafter and lookups[r], the length of its prompt-lookup continuation (0: none):
 
     - ("model", γ): every row drafts γ with the model: γ draft forwards, the target scores γ + 1 per row.
     - ("lookup", γ): rows with a continuation propose min(lookups[r], γ) of it, the others whatever a shorter
       match gives (priced as no gain, at γ wide); the target scores the widest proposal + 1, and the draft
-      model later reads the tokens it did not draft (where the model's drafts pay): what they add to the one
-      forward in which it reads everything it missed (`lag` tokens so far), not a forward of their own.
+      model later reads the tokens it did not draft (where the model's drafts pay).
     - ("lookup+model", γ): continuations where there are, the model's γ elsewhere (only when both occur).
 
     `with_model` False: the draft model sits out for good (the cost policy's `_model_stays_out`): lookup plans
@@ -151,10 +150,8 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
     # pay at all; otherwise it will not draft again.
     model_pays = with_model and max(table.values()) > 1.0
 
-    def catch_up(tokens: float) -> float:  # the model's later reading of `tokens` more than the `lag` it owes
-        if not model_pays:
-            return 0.0
-        return catch_up_s(costs, batch, max(1, lag) + tokens) - catch_up_s(costs, batch, max(1, lag))
+    def catch_up(tokens: float) -> float:
+        return catch_up_s(costs, batch, tokens) if model_pays else 0.0
 
     for g in range(1, max_gamma + 1):
         if not found:

@@ -290,8 +290,7 @@ class CostAware:
         keys = list(sequences) if len(sequences) > 1 else [None]
         alphas = ([self.by_drafter[MODEL].alphas(seq, self.max_gamma) for seq in keys],
                   [self.by_drafter[LOOKUP].alphas(seq, self.max_gamma) for seq in keys])
-        table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma, remaining=remaining,
-                                lag=lag)
+        table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma, remaining=remaining)
         if self._model_stays_out(len(keys), table, lag, remaining):
             table = priced_speedups(self.costs, len(keys), *alphas, lookups, self.max_gamma, with_model=False,
                                     remaining=remaining)

@@ -27,17 +27,14 @@ def expected_tokens_by_gamma(alphas: Sequence[float], max_gamma: int) -> list[fl
     return out
 
 
-def token_variance_by_gamma(alphas: Sequence[float], max_gamma: int) -> list[float]:
-    """The variance of the tokens an iteration appends, for every γ in 0..max_gamma (index γ), with α by position as
-    in expected_tokens_by_gamma: from P(tokens ≥ m) = Π_{j<m-1} α_j, E[tokens²] = Σ_m (2m - 1) P(tokens ≥ m)."""
+def token_variance_by_gamma(expected: Sequence[float]) -> list[float]:
+    """The variance of the tokens an iteration appends, for every γ (index γ), from expected_tokens_by_gamma's list
+    (whose steps are P(tokens ≥ m) = Π_{j<m-1} α_j, so α is walked once): E[tokens²] = Σ_m (2m - 1) P(tokens ≥ m)."""
     out = [0.0]
-    mean = square = reach = 1.0
-    for k in range(max_gamma):
-        a = alphas[min(k, len(alphas) - 1)] if alphas else 0.0
-        reach *= min(max(a, 0.0), 1.0)
-        mean += reach
-        square += (2 * k + 3) * reach
-        out.append(max(0.0, square - mean * mean))
+    square = 1.0
+    for g in range(1, len(expected)):
+        square += (2 * g + 1) * (expected[g] - expected[g - 1])
+        out.append(max(0.0, square - expected[g] * expected[g]))
     return out
 
 

@@ -134,8 +134,8 @@ def priced_speedups(costs: CostModel, batch: int, model_alphas: Sequence[Sequenc
     target = costs.target_curve(batch, max_gamma + 1)  # index g: scoring g + 1 tokens per row
     by_model = [expected_tokens_by_gamma(a, max_gamma) for a in model_alphas]
     by_lookup = [expected_tokens_by_gamma(a, max_gamma) for a in lookup_alphas]
-    spread_model = [token_variance_by_gamma(a, max_gamma) for a in model_alphas]
-    spread_lookup = [token_variance_by_gamma(a, max_gamma) for a in lookup_alphas]
+    spread_model = [token_variance_by_gamma(e) for e in by_model]
+    spread_lookup = [token_variance_by_gamma(e) for e in by_lookup]
     found = [r for r, n in enumerate(lookups) if n > 0]
     missing = [r for r, n in enumerate(lookups) if n == 0]
     table: dict[tuple[str, int], float] = {}

@@ -235,6 +235,14 @@ def test_a_native_call_that_does_not_fit_says_so_and_takes_no_cache_slot():
     assert cache.get_seq_length() == 0  # nothing claimed by a refused call
     native.run(torch.zeros(1, 2, hidden_size), cache, 0, *tables, sees)  # the same call, fitting
     assert cache.get_seq_length() == 2
+    # keys and values in a format the kernels do not write, or a cache holding the other one: refused, said so
+    with pytest.raises(ValueError, match="fp32, or fp16"):
+        native.run(torch.zeros(1, 2, hidden_size), BufferedCache(kv_dtype=torch.bfloat16), 0, *tables, sees)
+    cache.kv_dtype = torch.float16  # its buffers were made fp32 by the call above
+    more = torch.ones(1, 2, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="holds torch.float32 keys"):
+        native.run(torch.zeros(1, 2, hidden_size), cache, 2, *tables, more)
+    assert cache.get_seq_length() == 2  # refused before any slot was claimed
 
 
 def test_the_native_stage_timers_add_up_this_threads_calls_only():

@@ -105,9 +105,6 @@ class NativeLayers:
         keys, values, capacity = [], [], None
         for i in range(self.layers):
             k, v, start = cache.claim(i, like)
-            if k.dtype != like.dtype or v.dtype != like.dtype:  # the kernel would write one format into the other
-                raise ValueError(f"layer {i} of the cache holds {k.dtype} keys and values; the native layers were "
-                                 f"asked to write {like.dtype}")
             capacity = k.shape[2] if capacity is None else capacity
             if start != past or k.shape[2] != capacity:  # the cache's layers grow together; the kernel takes one
                 raise ValueError(f"layer {i} of the cache holds {start} of {k.shape[2]} slots, layer 0 {past} of "
@@ -129,6 +126,9 @@ class NativeLayers:
         if kv_dtype not in KV_DTYPES or (kv_dtype == torch.float16 and D > MAX_HALF_HEAD_DIM):
             raise ValueError(f"the native layers keep keys and values in fp32, or fp16 for heads of at most "
                              f"{MAX_HALF_HEAD_DIM}; asked for {kv_dtype} at head size {D}")
+        held = next((layer.keys.dtype for layer in getattr(cache, "layers", ()) if layer.keys is not None), kv_dtype)
+        if held != kv_dtype:  # the kernel would write one format into the other
+            raise ValueError(f"the cache holds {held} keys and values; the native layers were asked to write {kv_dtype}")
         keys, values, capacity = self._claim(cache, hidden.new_empty(B, Hkv, W, D, dtype=kv_dtype), past)
         seconds = _timing.seconds_for(threading.get_ident())
         cpu_kernels.library().specviz_decoder_layers(

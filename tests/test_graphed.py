@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specviz.models import fused, graphed
+from specviz.models import fused, fused_linear, graphed
 from specviz.models.prompt_cache import PromptCache
 from specviz.text.source import CausalLMDecoder
 
@@ -254,12 +254,27 @@ def _fused_checks() -> None:
     for dtype in (torch.float32, torch.bfloat16):  # odd shapes: hidden 96, intermediate 80, 6 heads over 2
         assert fused._self_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
         assert fused._attend_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
+    for config in fused_linear.CANDIDATES:  # the projections' kernel, every case, against the cuBLAS composition
+        assert fused_linear.check(cpu, torch.float32, config) is None
+        # bf16 looser: the interpreter rounds fp32 to bf16 toward zero (a GPU rounds to nearest: 2e-2 there)
+        assert fused_linear.check(cpu, torch.bfloat16, config, tol=dict(rtol=5e-2, atol=5e-2)) is None
     for attention in ("matmul", "triton"):  # triton: attention split over the keys in two kernels too
         ref, static = _models()
         static.graphed_forward.ops, static.graphed_forward.attention = fused.Ops(True), attention
         g = torch.Generator().manual_seed(21)
         _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 9), _tokens(g, 4)],
                seed=22, steps=5)
+    # a whole step with every projection on the kernel (each config), against transformers
+    for config in fused_linear.CANDIDATES:
+        ref, static = _models()
+        static.graphed_forward.ops = fused.Ops(True, linear=dict.fromkeys(fused_linear.STAGES, config))
+        g = torch.Generator().manual_seed(23)
+        _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 9), _tokens(g, 4)],
+               seed=24, steps=5)
+    right_linear = fused_linear.norm_linear_triton
+    fused_linear.norm_linear_triton = lambda *a: (lambda r: (r[0], r[1] * 1.05))(right_linear(*a))
+    assert "differs from the reference" in fused_linear.check(cpu, torch.float32, fused_linear.CANDIDATES[0])
+    fused_linear.norm_linear_triton = right_linear
     right = fused.silu_mul_triton
     fused.silu_mul_triton = lambda gu: right(gu) * 1.05  # a kernel that is off is caught
     assert "silu_mul differs" in fused._self_check(cpu, torch.float32, 96, 80, 6, 2, 16, 1e-6)
@@ -336,6 +351,24 @@ def test_graphs_are_captured_once_per_shape_on_gpu():
         first = workspace.graphs if run == 0 else first
         assert workspace.graphs is first  # the second decoder replays the first one's graphs
         del d
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_projection_kernel_on_gpu():
+    """fused_linear's kernel on the GPU, every config and dtype, at a real model's widths: it agrees with the
+    cuBLAS composition within the dtype's rounding and a row's bits do not depend on the other rows; choosing
+    times every stage's options and records them."""
+    _cuda()
+    for config in fused_linear.CANDIDATES:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert fused_linear.check(torch.device("cuda"), dtype, config, hidden=896, out=1152) is None, (config, dtype)
+    _, static = _models("cuda", torch.bfloat16, "graphs")
+    ops = static.graphed_forward.ops
+    assert set(ops.linear_timings) == set(fused_linear.STAGES), ops.linear_why
+    for stage, times in ops.linear_timings.items():
+        best = min(times, key=times.get)
+        assert (ops.linear_configs[stage] is None) == (best == "cublas"), (stage, times)
 
 
 def test_gpu_steps_prediction_and_the_bundled_alphas():

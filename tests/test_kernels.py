@@ -2006,8 +2006,9 @@ GRAPH_CASES = [  # (mode, B, γ, V, dtype, settings)
 
 
 def _strided_copy(t: torch.Tensor) -> torch.Tensor:
-    """t's values in a non-contiguous tensor (batch-major storage of [B, rows, V] seen through a transpose)."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1)
+    """t's values in new storage, non-contiguous where B > 1 (batch-major storage of [B, rows, V] seen through a
+    transpose). clone, not contiguous(): at B = 1 the transpose is already contiguous and would not be copied."""
+    return t.transpose(0, 1).clone(memory_format=torch.contiguous_format).transpose(0, 1)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,16 @@ from specviz.text.source import CausalLMDecoder
 from specviz.theory import expected_tokens
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+VARIANTS = {  # mode -> (environment, what it is)
+    "graphs": ({}, "the default: CUDA graphs, split attention kernels, each projection on the faster of its kernel and cuBLAS"),
+    "graphs-cublas": ({"SPECVIZ_STEP_LINEAR": "cublas"}, "graphs, split attention, every projection on cuBLAS"),
+    "graphs-matmul": ({"SPECVIZ_STEP_ATTENTION": "matmul", "SPECVIZ_STEP_LINEAR": "cublas"},
+                      "graphs, attention as two batched products around a softmax, cuBLAS projections"),
+    "graphs-sdpa": ({"SPECVIZ_STEP_ATTENTION": "sdpa", "SPECVIZ_STEP_LINEAR": "cublas"},
+                    "graphs, torch's sdpa, cuBLAS projections"),
+    "eager": ({}, "the default's kernels launched one by one (no graphs)"),
+    "transformers": ({}, "transformers' own forward"),
+}
 DEFAULT_MODE = "graphs"  # the product's default step path: its figures are the goals' figures
 
 
@@ -186,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", required=True, help="NAME=config.json (names: draft, target, target7b)")
     p.add_argument("--context", type=int, default=800)
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--modes", nargs="+", default=["graphs", "graphs-triton", "graphs-sdpa", "eager", "transformers"],
-                   choices=[*graphed.MODES, "graphs-sdpa", "graphs-triton"],
-                   help="graphs-sdpa / graphs-triton: graphs, attending through torch's sdpa / the split Triton kernels")
+    p.add_argument("--modes", nargs="+", default=["graphs", "graphs-cublas", "graphs-matmul", "eager", "transformers"],
+                   choices=list(VARIANTS), help="; ".join(f"{k}: {v[1]}" for k, v in VARIANTS.items()))
     p.add_argument("--profile", nargs="*", default=[], metavar="NAME/MODE",
                    help="also profile these models' one-token steps kernel by kernel (e.g. draft/graphs draft/eager)")
     p.add_argument("--json", required=True)
@@ -212,12 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         costs[name] = {}
         # the 7B-class target beside the goals' modes only (its transformers figures take a minute)
         for mode in args.modes if name != "target7b" else [m for m in args.modes if m.startswith("graphs")]:
-            os.environ["SPECVIZ_STEP_ATTENTION"] = mode.split("-")[1] if "-" in mode else "matmul"
+            for key in ("SPECVIZ_STEP_ATTENTION", "SPECVIZ_STEP_LINEAR"):
+                os.environ.pop(key, None)
+            os.environ.update(VARIANTS[mode][0])
             graphed.attach(model, mode.split("-")[0])
             if model.graphed_forward is not None:
-                ops = model.graphed_forward.ops
-                out.setdefault("fused_kernels", {})[f"{name}/{mode}"] = {
-                    "elementwise": ops.fused or ops.why, "attend": ops.attend_fused or ops.attend_why}
+                described = out.setdefault("fused_kernels", {})[f"{name}/{mode}"] = model.graphed_forward.ops.describe()
+                print(name, mode, "projections:", described["linear"], described["linear_why"],
+                      {s: {k: round(v, 1) for k, v in t.items()} for s, t in described["linear_us"].items()}, flush=True)
             rows = {}
             for batch, widths in ((1, WIDTHS), (8, (1, 5))):
                 for w in widths:

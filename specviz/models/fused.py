@@ -25,6 +25,8 @@ from types import SimpleNamespace
 import torch
 from torch.nn import functional as F
 
+from specviz.models import fused_linear
+
 # ---- references (and the CPU path) -------------------------------------------------------------------------
 
 
@@ -276,9 +278,13 @@ def attend_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
 class Ops:
     """The stages a step calls: the kernels or the references (`fused` says which; `why` why not). The attention
     kernels are checked apart (`attend_fused`, `attend_why`): the newer ones, so that their failing to compile or
-    to agree leaves the other three on their kernels."""
+    to agree leaves the other three on their kernels. The projections (`norm_linear`, `linear`) run per stage on
+    fused_linear's kernel where `linear` gives the stage a config (chosen by timing on the GPU), else on cuBLAS
+    between the norm and SiLU·up stages above."""
 
-    def __init__(self, fused: bool, why: str = "", attend_fused: bool | None = None, attend_why: str = ""):
+    def __init__(self, fused: bool, why: str = "", attend_fused: bool | None = None, attend_why: str = "",
+                 linear: dict[str, fused_linear.Config | None] | None = None, linear_why: str = "",
+                 linear_timings: dict | None = None):
         self.fused, self.why = fused, why
         self.attend_fused = fused if attend_fused is None else attend_fused
         self.attend_why = attend_why or why
@@ -286,15 +292,41 @@ class Ops:
         self.rope_store = rope_store_triton if fused else rope_store_ref
         self.silu_mul = silu_mul_triton if fused else silu_mul_ref
         self.attend = attend_triton if self.attend_fused else attend_ref
+        self.linear_configs = {stage: (linear or {}).get(stage) for stage in fused_linear.STAGES}
+        self.linear_why = linear_why or ("" if any(self.linear_configs.values()) else why or "cuBLAS measured faster")
+        self.linear_timings = linear_timings or {}
+
+    def norm_linear(self, stage: str, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fused_linear.norm_linear_ref's contract: x, delta [R, K] -> (x + delta, the stage's projection [R, N])."""
+        config = self.linear_configs[stage]
+        if config is not None and x.shape[0] <= fused_linear.ROWS:
+            return fused_linear.norm_linear_triton(x, delta, norm, eps, weight, bias, silu, config)
+        return fused_linear.norm_linear_ref(x, delta, norm, eps, weight, bias, silu, self.add_rms_norm, self.silu_mul)
+
+    def linear(self, stage: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [R, K] -> x @ weightᵀ + bias [R, N]."""
+        config = self.linear_configs[stage]
+        if config is not None and x.shape[0] <= fused_linear.ROWS:
+            return fused_linear.linear_triton(x, weight, bias, config)
+        return fused_linear.linear_ref(x, weight, bias)
+
+    def describe(self) -> dict[str, object]:
+        """What runs where, for a bench's record: each stage's kernel or why not."""
+        return {"elementwise": self.fused or self.why, "attend": self.attend_fused or self.attend_why,
+                "linear": {s: (f"{c.block_n}x{c.block_k}" if c else "cublas") for s, c in self.linear_configs.items()},
+                "linear_why": self.linear_why, "linear_us": self.linear_timings}
 
 
 REFERENCE = Ops(False, "the torch operations (no GPU)")
 
 
 def choose(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int,
-           head_dim: int, eps: float) -> Ops:
+           head_dim: int, eps: float, layers: list | None = None, linear: str = "auto") -> Ops:
     """The kernels where they run here and agree with the references on these shapes (random inputs, the dtype's
-    rounding as tolerance), else the references, saying why."""
+    rounding as tolerance), else the references, saying why. With `layers` (and `linear` 'auto'), each projection
+    stage takes fused_linear's kernel where it measures faster than cuBLAS on those layers ('cublas': never)."""
     if device.type != "cuda":
         return REFERENCE
     if head_dim & (head_dim - 1):
@@ -305,7 +337,17 @@ def choose(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: 
             errors.append(check(device, dtype, hidden, intermediate, heads, kv_heads, head_dim, eps))
         except Exception as e:  # noqa: BLE001 (no Triton, or it cannot compile here: the references still run)
             errors.append(f"{type(e).__name__}: {e}"[:300])
-    return Ops(errors[0] is None, errors[0] or "", errors[0] is None and errors[1] is None, errors[1] or "")
+    elementwise = errors[0] is None
+    configs, why, timings = None, "", {}
+    if linear == "cublas":
+        why = "cuBLAS asked for (SPECVIZ_STEP_LINEAR=cublas)"
+    elif layers and elementwise:
+        try:
+            chosen = fused_linear.choose(layers, dtype, add_rms_norm_triton, silu_mul_triton)
+            configs, why, timings = chosen.configs, chosen.why, chosen.timings
+        except Exception as e:  # noqa: BLE001 (the projections stay on cuBLAS)
+            why = f"{type(e).__name__}: {e}"[:300]
+    return Ops(elementwise, errors[0] or "", elementwise and errors[1] is None, errors[1] or "", configs, why, timings)
 
 
 def _self_check(device, dtype, hidden, intermediate, heads, kv_heads, D, eps) -> str | None:

@@ -45,7 +45,8 @@ HEADROOM = 1024  # slots a workspace holds beyond its first write: a run's new t
 ALIGN = 256  # capacities are multiples of this, so runs on prompts of similar length share a workspace
 KEPT_FREE = 4  # workspaces kept for reuse per forward once their decoders are gone
 MODES = ("graphs", "eager", "transformers")  # SPECVIZ_GPU_STEPS: how a CUDA model steps (default graphs)
-ATTENTION = ("matmul", "sdpa", "triton")  # SPECVIZ_STEP_ATTENTION: how a step attends (GraphedForward._attend)
+ATTENTION = ("triton", "matmul", "sdpa")  # SPECVIZ_STEP_ATTENTION: how a step attends (default triton)
+LINEAR = ("auto", "cublas")  # SPECVIZ_STEP_LINEAR: the projections on fused_linear's kernel where faster, or cuBLAS
 
 
 def gpu_steps() -> str:
@@ -135,14 +136,17 @@ class GraphedForward:
 
     ROTARY_TABLE_POSITIONS = 262144  # at most this many positions' rotary values are tabled (16 MB per 32K at D = 128)
 
-    def __init__(self, model: nn.Module, graphs: bool = True, attention: str = "matmul",
+    def __init__(self, model: nn.Module, graphs: bool = True, attention: str = "triton", linear: str = "auto",
                  capture: Callable[..., tuple] | None = None):
-        """capture(run, device, pool) -> (graph with replay(), output): how a step shape is captured; default
-        `cuda_graph` on CUDA when `graphs`, none (eager steps) elsewhere. Tests pass a stand-in to drive the
-        graph bookkeeping on the CPU."""
+        """attention: ATTENTION; linear: LINEAR ('auto': each projection on fused_linear's kernel where it measures
+        faster on this GPU). capture(run, device, pool) -> (graph with replay(), output): how a step shape is
+        captured; default `cuda_graph` on CUDA when `graphs`, none (eager steps) elsewhere. Tests pass a stand-in
+        to drive the graph bookkeeping on the CPU."""
         cfg = model.config
         if attention not in ATTENTION:
             raise ValueError(f"attention {attention!r}: use one of {', '.join(ATTENTION)}")
+        if linear not in LINEAR:
+            raise ValueError(f"linear {linear!r}: use one of {', '.join(LINEAR)}")
         self.model, self.attention = model, attention
         self.device, self.dtype = model.device, model.dtype
         self.capture = capture if capture is not None else (cuda_graph if graphs and self.device.type == "cuda" else None)
@@ -159,7 +163,7 @@ class GraphedForward:
             cos, sin = model.model.rotary_emb(self.embed[:1][None], positions[None])
         self.cos, self.sin = cos[0].clone(), sin[0].clone()  # [P, D]
         self.ops = fused.choose(self.device, self.dtype, cfg.hidden_size, self.layers[0].intermediate, self.heads,
-                                self.kv_heads, self.head_dim, self.eps)
+                                self.kv_heads, self.head_dim, self.eps, self.layers, linear)
         self._free: list[Workspace] = []  # released workspaces, most recent last
         self._lock = threading.Lock()  # decoders of several page sessions acquire and release concurrently
 
@@ -190,16 +194,18 @@ class GraphedForward:
         x = F.embedding(ids, self.embed).view(B * W, -1)  # [B·W, hidden]: rows b·W + w
         delta = None  # what the last block adds to x: added by the next norm, in the same kernel
         for i, layer in enumerate(self.layers):
-            x, h = ops.add_rms_norm(x, delta, layer.norm1, layer.eps1)
-            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)  # [B·W, (H + 2·Hkv)·D]
+            x, qkv = ops.norm_linear("qkv", x, delta, layer.norm1, layer.eps1, layer.qkv_weight,
+                                     layer.qkv_bias)  # [B·W, (H + 2·Hkv)·D]
             q = ops.rope_store(qkv, cos, sin, start, W, H, Hkv, keys[i], values[i])  # [B, Hkv, G·W, D]
             if split:  # [B·W, H·D] straight from the kernels
                 attended = ops.attend(q, keys[i], values[i], bias, self.scaling, W)
             else:
                 attended = self._attend(q, keys[i], values[i], bias)
                 attended = attended.view(B, Hkv, G, W, D).permute(0, 3, 1, 2, 4).reshape(B * W, H * D)
-            x, h = ops.add_rms_norm(x, layer.o_proj(attended), layer.norm2, layer.eps2)
-            delta = layer.down_proj(ops.silu_mul(F.linear(h, layer.gate_up_weight, layer.gate_up_bias)))
+            out = ops.linear("o", attended, layer.o_proj.weight, layer.o_proj.bias)
+            x, act = ops.norm_linear("gate_up", x, out, layer.norm2, layer.eps2, layer.gate_up_weight,
+                                     layer.gate_up_bias, silu=True)  # [B·W, intermediate]
+            delta = ops.linear("down", act, layer.down_proj.weight, layer.down_proj.bias)
         last = lambda t: t.view(B, W, -1)[:, -keep:].reshape(B * keep, -1)  # noqa: E731
         return ops.add_rms_norm(last(x), last(delta), self.norm, self.eps)[1].view(B, keep, -1)
 
@@ -449,7 +455,8 @@ def attach(model: nn.Module, mode: str | None = None) -> nn.Module:
     """Give a CUDA `model` its `graphed_forward` where `supports(model)` and the mode (`gpu_steps()`) is not
     'transformers'; None otherwise, and the text decoder runs transformers' forward. Returns the model."""
     mode = mode or gpu_steps()
-    attention = os.environ.get("SPECVIZ_STEP_ATTENTION", "matmul")
-    model.graphed_forward = (GraphedForward(model, graphs=mode == "graphs", attention=attention)
+    attention = os.environ.get("SPECVIZ_STEP_ATTENTION", ATTENTION[0])
+    linear = os.environ.get("SPECVIZ_STEP_LINEAR", LINEAR[0])
+    model.graphed_forward = (GraphedForward(model, graphs=mode == "graphs", attention=attention, linear=linear)
                              if mode != "transformers" and supports(model) else None)
     return model

@@ -254,7 +254,8 @@ def _fused_checks() -> None:
     for dtype in (torch.float32, torch.bfloat16):  # odd shapes: hidden 96, intermediate 80, 6 heads over 2
         assert fused._self_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
         assert fused._attend_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
-    for config in fused_linear.CANDIDATES:  # the projections' kernel, every case, against the cuBLAS composition
+    # the projections' kernel, every case, against the cuBLAS composition; 16 × 32 walks K in several steps
+    for config in (*fused_linear.CANDIDATES, fused_linear.Config(16, 32)):
         assert fused_linear.check(cpu, torch.float32, config) is None
         # bf16 looser: the interpreter rounds fp32 to bf16 toward zero (a GPU rounds to nearest: 2e-2 there)
         assert fused_linear.check(cpu, torch.bfloat16, config, tol=dict(rtol=5e-2, atol=5e-2)) is None
@@ -265,7 +266,7 @@ def _fused_checks() -> None:
         _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 9), _tokens(g, 4)],
                seed=22, steps=5)
     # a whole step with every projection on the kernel (each config), against transformers
-    for config in fused_linear.CANDIDATES:
+    for config in (*fused_linear.CANDIDATES, fused_linear.Config(32, 32)):
         ref, static = _models()
         static.graphed_forward.ops = fused.Ops(True, linear=dict.fromkeys(fused_linear.STAGES, config))
         g = torch.Generator().manual_seed(23)

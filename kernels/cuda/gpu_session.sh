@@ -107,16 +107,16 @@ steps)
     --profile draft/graphs draft/graphs-cublas target/graphs target/graphs-cublas target7b/graphs target7b/graphs-cublas \
     --configs draft=.gpu/config-draft.json target=.gpu/config-target.json target7b=.gpu/config-target7b.json \
     2>&1 | grep -v Warning | tee "$o/gpu-steps.txt"; pack
-  timeout 100 python3 -m pytest tests/test_graphed.py tests/test_sampling.py -q -rs -m gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$o/gpu-tests-graphed.log"; pack
+  timeout 200 python3 -m pytest tests/test_graphed.py tests/test_sampling.py -q -rs -m gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$o/gpu-tests-graphed.log"; pack
   timeout 60 python3 kernels/cuda/graph_check.py --json "$o/verify-graph.json" 2>&1 | tail -30 | tee "$o/verify-graph.txt"; pack
   make_models 2>&1 | tee "$o/models.txt"
   for linear in auto; do  # end to end on the default step path (the iteration's split in the JSON)
-    SPECVIZ_STEP_LINEAR=$linear timeout 70 python3 -m specviz compare --target /tmp/models/target \
+    SPECVIZ_STEP_LINEAR=$linear timeout 150 python3 -m specviz compare --target /tmp/models/target \
       --draft /tmp/models/draft --device cuda --draft-kind model --gamma-policy constant --gamma 5 --temperature 0.8 \
       --max-new-tokens 96 --repeat 2 --modes exact --json "$o/e2e-graphs-$linear.json" 2>&1 \
       | grep -v "it/s\]\|run/s" | tail -14 | tee -a "$o/e2e.txt"
     pack
-    SPECVIZ_STEP_LINEAR=$linear timeout 50 python3 -m specviz compare --target /tmp/models/target \
+    SPECVIZ_STEP_LINEAR=$linear timeout 100 python3 -m specviz compare --target /tmp/models/target \
       --draft /tmp/models/draft --device cuda --draft-kind model --gamma-policy constant --gamma 4 --temperature 0.8 \
       --max-new-tokens 64 --num-sequences 8 --batch-size 8 --modes exact --json "$o/e2e-bass8-$linear.json" 2>&1 \
       | grep -v "it/s\]\|run/s" | tail -14 | tee -a "$o/e2e.txt"

@@ -2,15 +2,19 @@
 
 Why: in a CUDA graph a decoding step of these small models costs what its kernels cost, and most of them are
 tiny: transformers' arithmetic spends ~35 kernels a layer (RMS norm 4–6, rotary 10, cache writes, copies, SiLU
-and the residual adds), against 4 matrix products. Three kernels do that work here, ~10 kernels a layer in all:
+and the residual adds), against 4 matrix products. Three kernels do that work here (11–12 kernels a layer in
+all, measured on an H200):
 
 - `add_rms_norm`: the residual add and the next RMS norm (one read of the row);
 - `rope_store`: rotary on q and k, q written grouped by key head (the layout attention reads), k and v written
   straight into the cache's slots;
 - `silu_mul`: SiLU(gate) · up;
-- `attend` (opt-in, SPECVIZ_STEP_ATTENTION=triton; not yet measured on a GPU): attention split over the keys
-  and combined straight into the output projection's layout, two kernels where two matrix products, a softmax,
-  the bias's copy and a transpose take five.
+- `attend` (the default; SPECVIZ_STEP_ATTENTION=matmul switches back): attention split over the keys and
+  combined straight into the output projection's layout, two kernels where two matrix products, a softmax, the
+  bias's copy and a transpose take five (on an H200 5.5 µs a layer against ~20).
+
+The projections, with the norm before them and SiLU·up after them folded in where that measures faster, are
+fused_linear.py's; `Ops` carries both.
 
 Each has a torch reference with transformers' operation order (rounding to the model's dtype where it rounds);
 the kernels compute each output in fp32 and round once, so they agree with it up to that rounding. Which one a

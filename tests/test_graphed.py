@@ -272,10 +272,43 @@ def _fused_checks() -> None:
         g = torch.Generator().manual_seed(23)
         _drive(CausalLMDecoder(static, VOCAB, 2), CausalLMDecoder(ref, VOCAB, 2), [_tokens(g, 9), _tokens(g, 4)],
                seed=24, steps=5)
-    right_linear = fused_linear.norm_linear_triton
-    fused_linear.norm_linear_triton = lambda *a: (lambda r: (r[0], r[1] * 1.05))(right_linear(*a))
-    assert "differs from the reference" in fused_linear.check(cpu, torch.float32, fused_linear.CANDIDATES[0])
-    fused_linear.norm_linear_triton = right_linear
+    # a whole step with more rows than the kernel holds (a 3-row prefill of 9 tokens): those calls on cuBLAS
+    ref, static = _models()
+    static.graphed_forward.ops = fused.Ops(True, linear=dict.fromkeys(fused_linear.STAGES, fused_linear.CANDIDATES[0]))
+    g = torch.Generator().manual_seed(25)
+    _drive(CausalLMDecoder(static, VOCAB, 3), CausalLMDecoder(ref, VOCAB, 3), [_tokens(g, 9) for _ in range(3)],
+           seed=26, steps=3)
+    # the choice: cuBLAS unless the kernel is MARGIN faster (timings in the order choose asks for them: per stage
+    # cuBLAS, then each candidate), every stage's calls run
+    ran, times = [], iter([100.0, 98.0, 100.0, 90.0, 100.0, 120.0, 100.0, 100.0])
+
+    def timer(calls):
+        for c in calls:
+            c()
+        ran.append(len(calls))
+        return next(times)
+    layers = static.graphed_forward.layers
+    choice = fused_linear.choose(layers, torch.float32, fused.add_rms_norm_triton, fused.silu_mul_triton, timer)
+    assert [s for s, c in choice.configs.items() if c is not None] == ["o"], choice
+    assert ran == [len(layers)] * 8 and choice.timings["o"] == {"cublas": 100.0, "16x256": 90.0}
+    try:  # a kernel that is off is caught, in its output and in its residual
+        right_linear = fused_linear.norm_linear_triton
+        fused_linear.norm_linear_triton = lambda *a: (lambda r: (r[0], r[1] * 1.05))(right_linear(*a))
+        assert "differs from the reference" in fused_linear.check(cpu, torch.float32, fused_linear.CANDIDATES[0])
+        fused_linear.norm_linear_triton = lambda *a: (lambda r: (r[0] * 1.001, r[1]))(right_linear(*a))
+        assert "residual" in fused_linear.check(cpu, torch.float32, fused_linear.CANDIDATES[0],
+                                                cases=((False, True, False),))
+    finally:
+        fused_linear.norm_linear_triton = right_linear
+    for bad in (lambda: fused_linear.linear_triton(torch.ones(2, 96), torch.ones(96, 80).t(), None,
+                                                  fused_linear.CANDIDATES[0]),
+                lambda: fused_linear._launch(torch.ones(1, 96), torch.ones(1, 96), None, 0.0, torch.ones(80, 96),
+                                             None, False, fused_linear.CANDIDATES[0])):
+        try:
+            bad()
+            raise AssertionError("a call the kernel cannot do was launched")
+        except ValueError:
+            pass
     right = fused.silu_mul_triton
     fused.silu_mul_triton = lambda gu: right(gu) * 1.05  # a kernel that is off is caught
     assert "silu_mul differs" in fused._self_check(cpu, torch.float32, 96, 80, 6, 2, 16, 1e-6)
@@ -366,10 +399,17 @@ def test_projection_kernel_on_gpu():
             assert fused_linear.check(torch.device("cuda"), dtype, config, hidden=896, out=1152) is None, (config, dtype)
     _, static = _models("cuda", torch.bfloat16, "graphs")
     ops = static.graphed_forward.ops
-    assert set(ops.linear_timings) == set(fused_linear.STAGES), ops.linear_why
-    for stage, times in ops.linear_timings.items():
-        best = min(times, key=times.get)
-        assert (ops.linear_configs[stage] is None) == (best == "cublas"), (stage, times)
+    names = {"cublas", *(f"{c.block_n}x{c.block_k}" for c in fused_linear.CANDIDATES)}
+    assert {s: set(t) for s, t in ops.linear_timings.items()} == dict.fromkeys(fused_linear.STAGES, names), \
+        ops.linear_why
+    assert all(t > 0 for times in ops.linear_timings.values() for t in times.values())
+    # every projection on the kernel, graphed, against transformers' forward (fp32: rounding apart, the same)
+    g = torch.Generator().manual_seed(31)
+    prompts = [_tokens(g, n) for n in (12, 5, 21)]
+    ref, forced = _models("cuda", torch.float32, "graphs")
+    forced.graphed_forward.ops = fused.Ops(True, linear=dict.fromkeys(fused_linear.STAGES, fused_linear.CANDIDATES[0]))
+    _drive(CausalLMDecoder(forced, VOCAB, 3), CausalLMDecoder(ref, VOCAB, 3), prompts, seed=32,
+           tol=dict(rtol=1e-3, atol=1e-3))
 
 
 def test_gpu_steps_prediction_and_the_bundled_alphas():
@@ -387,3 +427,26 @@ def test_gpu_steps_prediction_and_the_bundled_alphas():
     assert gamma == 1 and speedup == pytest.approx(1.8 / (0.9 + 1.1 + 0.1))  # t(2) measured, no interpolation
     alphas = gpu_steps.bundled_alphas(Path(__file__).resolve().parents[1] / "docs" / "results")
     assert len(alphas) == 6 and all(0.3 < a < 1.0 for a in alphas.values())
+
+
+def test_gpu_steps_goals_from_one_modes_costs():
+    """Issue 40's step goals from a mode's measured costs: ratios of the right shapes, BASS-8 as 4 draft steps +
+    scoring 5 tokens + verification over a batched plain step, predictions filed under the mode; a mode
+    without the 7B leaves its goals out."""
+    from specviz.bench import gpu_steps
+
+    def rows(one: float, **more: float) -> dict:
+        return {"B1W1": {"ms": one}, **{k: {"ms": v} for k, v in more.items()}}
+
+    costs = {"draft": {"m": rows(1.0, B8W1=1.2)},
+             "target": {"m": rows(2.0, B1W6=2.2, B8W1=2.4, B8W5=2.6)},
+             "target7b": {"m": rows(5.0, B1W6=5.5)}}
+    out: dict = {}
+    goals = gpu_steps.step_goals(costs, "m", {"B1G5": {"ms": 0.2}, "B8G4": {"ms": 0.3}}, {"a": 0.9}, out)
+    assert goals["draft_over_target"] == pytest.approx(0.5) and goals["six_over_one"] == pytest.approx(1.1)
+    assert goals["draft_over_target_7b"] == pytest.approx(0.2)
+    assert goals["bass8_iteration_over_target_only"] == pytest.approx((4 * 1.2 + 2.6 + 0.3) / 2.4)
+    assert set(out) == {"predicted", "predicted_7b"} and set(out["predicted_7b"]) == {"m"}
+    assert goals["predicted_speedup_7b"] == out["predicted_7b"]["m"]["a"]["speedup"] > goals["predicted_speedup"]
+    del costs["target7b"]
+    assert "draft_over_target_7b" not in gpu_steps.step_goals(costs, "m", {}, {"a": 0.9}, {})

@@ -297,8 +297,9 @@ class Ops:
         self.silu_mul = silu_mul_triton if fused else silu_mul_ref
         self.attend = attend_triton if self.attend_fused else attend_ref
         self.linear_configs = {stage: (linear or {}).get(stage) for stage in fused_linear.STAGES}
-        self.linear_why = linear_why or ("" if any(self.linear_configs.values()) else why or "cuBLAS measured faster")
         self.linear_timings = linear_timings or {}
+        self.linear_why = linear_why or ("" if any(self.linear_configs.values()) else
+                                         "cuBLAS measured faster" if self.linear_timings else why or "not chosen")
 
     def norm_linear(self, stage: str, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = False

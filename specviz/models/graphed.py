@@ -213,8 +213,8 @@ class GraphedForward:
         """q [B, Hkv, M, D] over keys, values [B, Hkv, C, D] with the additive mask bias ([B·Hkv, M, C] for
         'matmul', [B, 1, M, C] for 'sdpa') -> [B, Hkv, M, D].
 
-        'matmul' (the default): scores and the weighted sum as two batched matrix products (cuBLAS spreads a few
-        queries over many keys across the chip) and a softmax between them, as transformers' eager attention
+        'matmul' (and 'triton' beyond its rows): scores and the weighted sum as two batched matrix products
+        (cuBLAS spreads a few queries over many keys across the chip) and a softmax between them, as transformers' eager attention
         computes them (scores in the model's dtype, softmax in fp32). 'sdpa': torch's fused attention, whose
         memory-efficient kernel gives each (row, key head) one block: 2 blocks for the embedded draft at one
         token, ~70 µs a layer over 2,048 slots on an H200, against the ~10 µs its bytes need. 'triton' (the

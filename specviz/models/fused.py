@@ -16,10 +16,10 @@ all, measured on an H200):
 The projections, with the norm before them and SiLU·up after them folded in where that measures faster, are
 fused_linear.py's; `Ops` carries both.
 
-Each has a torch reference with transformers' operation order (rounding to the model's dtype where it rounds);
-the kernels compute each output in fp32 and round once, so they agree with it up to that rounding. Which one a
-model uses is decided once per model (`choose`): the kernels where Triton is there and they agree with the
-references on the model's own shapes, else the references. Both run inside the graphs.
+Each has a torch reference (models/step_reference.py) with transformers' operation order (rounding to the
+model's dtype where it rounds); the kernels compute each output in fp32 and round once, so they agree with it up
+to that rounding. Which one a model uses is decided once per model (`choose`): the kernels where Triton is there
+and they agree with the references on the model's own shapes, else the references. Both run inside the graphs.
 """
 
 from __future__ import annotations
@@ -27,61 +27,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from torch.nn import functional as F
 
 from specviz.models import fused_linear
-
-# ---- references (and the CPU path) -------------------------------------------------------------------------
-
-
-def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta [R, N] (delta None: no add) -> (x + delta, transformers' RMSNorm of it: in fp32, back to the dtype,
-    times the weight)."""
-    if delta is not None:
-        x = x + delta
-    return x, weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def rope_store_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor, W: int,
-                   heads: int, kv_heads: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """qkv [B·W, (heads + 2·kv_heads)·D] (rows b·W + w); cos, sin [B·W, D]; start LongTensor[1]: the slot of column
-    0; keys, values [B, kv_heads, C, D], written at slots start … start + W − 1 -> q rotated, grouped by key head:
-    [B, kv_heads, G·W, D], query g·W + w of key head k being head k·G + g."""
-    D = cos.shape[-1]
-    B = qkv.shape[0] // W
-    G = heads // kv_heads
-    q, k, v = qkv.view(B, W, heads + 2 * kv_heads, D).split((heads, kv_heads, kv_heads), dim=2)
-    c, s = cos.view(B, 1, W, D), sin.view(B, 1, W, D)
-    q = _rotate(q.transpose(1, 2), c, s)  # [B, H, W, D]
-    slots = start + torch.arange(W, device=qkv.device)
-    keys.index_copy_(2, slots, _rotate(k.transpose(1, 2), c, s))
-    values.index_copy_(2, slots, v.transpose(1, 2))
-    return q.reshape(B, kv_heads, G * W, D)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [B, heads, W, D]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
-               W: int) -> torch.Tensor:
-    """q [B, Hkv, G·W, D] (query g·W + w of key head k is head k·G + g) over keys, values [B, Hkv, C, D] with the
-    additive mask bias [B, 1, G·W, C] -> [B·W, H·D], the layout the output projection reads: two batched matrix
-    products around a softmax, as transformers' eager attention (scores in the dtype, softmax in fp32)."""
-    B, Hkv, M, D = q.shape
-    C = keys.shape[2]
-    scores = torch.baddbmm(bias.expand(B, Hkv, M, C).reshape(B * Hkv, M, C), q.reshape(B * Hkv, M, D),
-                           keys.reshape(B * Hkv, C, D).transpose(1, 2), alpha=scale)
-    out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * Hkv, C, D))  # [B·Hkv, G·W, D]
-    return out.view(B, Hkv, M // W, W, D).permute(0, 3, 1, 2, 4).reshape(B * W, Hkv * (M // W) * D)
-
-
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # gate_up [R, 2·I] -> [R, I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
+from specviz.models.step_reference import add_rms_norm_ref, attend_ref, rope_store_ref, silu_mul_ref
 
 # ---- Triton kernels ----------------------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
-from torch.nn import functional as F
+
+from specviz.models.step_reference import linear_ref, norm_linear_ref
 
 ROWS = 16  # rows one program holds (the smallest tl.dot tile); calls of more rows use the cuBLAS composition
 STAGES = ("qkv", "o", "gate_up", "down")  # a layer's projections, in order
@@ -49,27 +50,6 @@ class Config:
 # (q/k/v with its norm and o of the 0.5B draft, o of the 1.5B and 7B targets); 32 × 128 and 64 × 128 won none
 # and each added a compile per stage at load, so they were dropped.
 CANDIDATES = (Config(16, 256),)
-
-
-# ---- references (the cuBLAS composition) ------------------------------------------------------------------
-
-def norm_linear_ref(x: torch.Tensor, delta: torch.Tensor | None, norm: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None, silu: bool,
-                    add_rms_norm: Callable | None = None, silu_mul: Callable | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta [R, K] (delta None: no residual add); norm [K]; weight [N, K] (silu: [2·I, K], gate rows then up
-    rows) -> (x + delta, linear(RMSNorm(x + delta)) [R, N], or SiLU(gate)·up [R, I] when `silu`). The norm and
-    SiLU·up stages are the caller's (fused.py's kernels or references)."""
-    from specviz.models import fused
-
-    x, h = (add_rms_norm or fused.add_rms_norm_ref)(x, delta, norm, eps)
-    y = F.linear(h, weight, bias)
-    return x, ((silu_mul or fused.silu_mul_ref)(y) if silu else y)
-
-
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [R, K], weight [N, K] -> x · weightᵀ + bias [R, N] (cuBLAS on a GPU)."""
-    return F.linear(x, weight, bias)
 
 
 # ---- the kernel -------------------------------------------------------------------------------------------

@@ -51,3 +51,37 @@ def test_dense_weights_count_their_own_bytes():
     expected = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert weight_bytes(model) == expected
     assert linear_params(model) == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_a_kernel_variant_takes_turns_with_the_project_library(tmp_path):
+    """kernel_ab's ground: a copy of kernels/cpu/ loads as a library of its own declarations (here unchanged, so
+    the cached build), `using` routes every kernel call in its block there and back after (after an error too),
+    and `alternate` times each (library, tokens) once a round, the libraries' order flipping round by round."""
+    import shutil
+
+    from specviz import native
+    from specviz.bench.kernel_ab import WARMUP_ROUNDS, alternate
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels do not build here")
+    shutil.copytree(native.SOURCES[0].parent, tmp_path / "cpu")
+    own = native.library()
+    variant = native.load_variant(tmp_path / "cpu")
+    assert variant.specviz_max_rows() == native.max_rows() and variant is not own
+    with pytest.raises(RuntimeError, match="inside"):
+        with native.using(variant):
+            assert native.library() is variant and cpu_kernels.library() is variant
+            raise RuntimeError("inside")
+    assert native.library() is own
+    seen = []
+    ms = alternate({"project": own, "variant": variant}, lambda m: seen.append((native.library(), m)), [1, 4], 3)
+    assert set(ms) == {"project", "variant"} and all(set(v) == {1, 4} and min(v.values()) >= 0 for v in ms.values())
+    names = {id(own): "project", id(variant): "variant"}
+    order = [(names[id(lib)], m) for lib, m in seen]
+    assert len(order) == 2 * 2 * (WARMUP_ROUNDS + 3)
+    assert order[:4] == [("project", 1), ("variant", 1), ("project", 4), ("variant", 4)]
+    assert order[4:8] == [("variant", 1), ("project", 1), ("variant", 4), ("project", 4)]
+    (tmp_path / "cpu" / "qmatmul_cpu.cpp").write_text("this does not compile")
+    with pytest.raises(native.KernelBuildError):
+        native.load_variant(tmp_path / "cpu")
+    assert native.library() is own

@@ -11,6 +11,7 @@ wrappers are in specviz.models.cpu_kernels, verification's in specviz.verify.cpu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -20,7 +21,7 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from specviz.cache import cache_dir
 from specviz.paths import KERNELS
@@ -49,8 +50,12 @@ def _cpu_signature() -> str:
 def source_digest() -> str:
     """A digest of the kernels' source (read once): the build's cache key, and what was measured on one
     version (a cost table) is not another's."""
+    return _digest(SOURCES + HEADERS)
+
+
+def _digest(paths: list[Path]) -> str:
     digest = hashlib.sha256()
-    for path in SOURCES + HEADERS:
+    for path in paths:
         try:
             digest.update(path.read_bytes())
         except OSError:  # a copy without it: its build fails and says so (KernelBuildError); the digest does not
@@ -65,10 +70,10 @@ def _compiler() -> str:
     raise KernelBuildError("no C++ compiler found (g++, c++ or clang++; or set $CXX) to build the CPU kernels")
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, sources: list[Path]) -> None:
     cxx = _compiler()
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", *map(str, SOURCES), "-o", str(tmp)]
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", *map(str, sources), "-o", str(tmp)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -89,7 +94,8 @@ def library() -> ctypes.CDLL:
     """The loaded kernel library, built on first use on this machine; KernelBuildError where it cannot be
     (every later call says the same at once, so asking costs nothing on any path)."""
     global _library, _failure
-    if _library is not None:  # set once, never unset: read without the lock on every call (the hot path)
+    if _library is not None:  # set once, never unset (swapped only by `using`, in benchmarks): read without the
+        # lock on every call (the hot path)
         return _library
     with _lock:
         if _library is None:
@@ -103,19 +109,20 @@ def library() -> ctypes.CDLL:
     return _library
 
 
-def _load() -> ctypes.CDLL:
-    """Build (first use on this machine) and load the library, its functions declared."""
+def _load(sources: list[Path] | None = None, digest: str | None = None) -> ctypes.CDLL:
+    """Build (first use on this machine) and load the library, its functions declared; `sources` (and their
+    `digest`, headers included) where another copy of the kernels is built (`load_variant`)."""
     global _max_rows
     try:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
     except OSError as e:
         raise KernelBuildError(f"cannot run the C++ compiler: {e}") from e
-    key = hashlib.sha256((source_digest() + version + _cpu_signature()).encode()).hexdigest()[:16]
+    key = hashlib.sha256(((digest or source_digest()) + version + _cpu_signature()).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"qmatmul-{key}.so"
     try:  # an unwritable cache or a damaged library is a failed build too: callers fall back to torch
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            _build(path)
+            _build(path, sources or SOURCES)
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelBuildError(f"the CPU kernels could not be built or loaded at {path}: {e}") from e
@@ -162,6 +169,36 @@ def _load() -> ctypes.CDLL:
     lib.specviz_isa.restype = ctypes.c_char_p
     _max_rows = lib.specviz_max_rows()
     return lib
+
+
+def load_variant(directory: Path) -> ctypes.CDLL:
+    """The library built from another copy of kernels/cpu/ (a change under test: same file names), declared as
+    `library()`'s and cached by that copy's digest. For side-by-side benchmarks (specviz.bench.kernel_ab); the
+    rows limit must be the project's own."""
+    global _max_rows
+    own_rows = max_rows()
+    sources = [Path(directory) / p.name for p in SOURCES]
+    lib = _load(sources, _digest(sources + [Path(directory) / p.name for p in HEADERS]))
+    _max_rows = own_rows  # _load set the variant's; callers size calls by the project's
+    if lib.specviz_max_rows() != own_rows:
+        raise KernelBuildError(f"the variant in {directory} holds {lib.specviz_max_rows()} rows a call, "
+                               f"the project's library {own_rows}")
+    return lib
+
+
+@contextlib.contextmanager
+def using(lib: ctypes.CDLL) -> Iterator[None]:
+    """Every kernel call in the block goes to `lib` (a variant from load_variant), then back to the project's
+    library. Benchmarks only: the swap is process-wide, so nothing else may decode meanwhile."""
+    global _library
+    own = library()
+    with _lock:
+        _library = lib
+    try:
+        yield
+    finally:
+        with _lock:
+            _library = own
 
 
 def available(load: Callable[[], ctypes.CDLL] | None = None) -> bool:

@@ -17,7 +17,8 @@ rounds it, products accumulated in fp32, each output rounded once, SiLU rounded 
 run in another order than cuBLAS's, so results agree up to that rounding. A row's outputs never depend on the
 other rows of the call: the row tile is always `ROWS` wide and the reduction order is fixed by `block_k`.
 Which stages use the kernel is measured on the GPU per model (`choose`): each stage's kernel and its cuBLAS
-composition timed inside CUDA graphs over the model's own layers; a stage keeps the kernel only where it is faster.
+composition timed inside CUDA graphs over the model's own layers; a stage takes the kernel only where it is at
+least MARGIN faster.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class Config:
 
 
 # Timed per stage against cuBLAS on the GPU. On an H200 (2026-11-27) 16 × 256 won every stage the kernel won
-# (q/k/v with its norm and o of the 0.5B draft, o of the 1.5B and 7B targets); 32 × 128 and 64 × 128 won none
-# and each added a compile per stage at load, so they were dropped.
+# (q/k/v with its norm and o of the 0.5B draft, o of the 1.5B target; the 7B's o a tie); 32 × 128 and 64 × 128
+# won none and each added a compile per stage at load, so they were dropped.
 CANDIDATES = (Config(16, 256),)
 
 

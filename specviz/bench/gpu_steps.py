@@ -53,17 +53,21 @@ def random_model(config: dict, dtype: torch.dtype, seed: int) -> torch.nn.Module
     return model.eval()
 
 
-@torch.inference_mode()
-def time_step(model: torch.nn.Module, batch: int, width: int, context: int, reps: int, warmup: int = 5
-              ) -> dict[str, float]:
-    """Median ms of one decoder forward of `width` new tokens in each of `batch` rows after `context` tokens."""
+def _decoder_after(model: torch.nn.Module, batch: int, width: int, context: int
+                   ) -> tuple[CausalLMDecoder, list[list[int]]]:
+    """A decoder of `batch` rows holding a random `context`-token prompt each, and a feed of `width` tokens a row."""
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
     decoder = CausalLMDecoder(model, vocab, batch)
     decoder.prefill([prompt] * batch)
-    feed = [torch.randint(0, vocab, (width,), generator=g).tolist()] * batch
-    host, gpu = [], []
+    return decoder, [torch.randint(0, vocab, (width,), generator=g).tolist()] * batch
+
+
+def _timed(decoder: CausalLMDecoder, feed: list[list[int]], context: int, reps: int, warmup: int
+           ) -> dict[str, float]:
+    """Median host ms and GPU ms (CUDA events) of decoder.forward(feed), each call rolled back to `context`."""
+    width, host, gpu = len(feed[0]), [], []
     for i in range(warmup + reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -73,11 +77,19 @@ def time_step(model: torch.nn.Module, batch: int, width: int, context: int, reps
         end.record()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        decoder.rollback([context] * batch)
+        decoder.rollback([context] * len(feed))
         if i >= warmup:
             host.append(wall * 1e3)
             gpu.append(start.elapsed_time(end))
     return {"ms": statistics.median(host), "gpu_ms": statistics.median(gpu)}
+
+
+@torch.inference_mode()
+def time_step(model: torch.nn.Module, batch: int, width: int, context: int, reps: int, warmup: int = 5
+              ) -> dict[str, float]:
+    """Median ms of one decoder forward of `width` new tokens in each of `batch` rows after `context` tokens."""
+    decoder, feed = _decoder_after(model, batch, width, context)
+    return _timed(decoder, feed, context, reps, warmup)
 
 
 @torch.inference_mode()
@@ -87,12 +99,7 @@ def profile_step(model: torch.nn.Module, batch: int, width: int, context: int, r
     the kernels (launch latency, idle SMs) is the difference."""
     from torch.profiler import ProfilerActivity, profile
 
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
-    decoder = CausalLMDecoder(model, vocab, batch)
-    decoder.prefill([prompt] * batch)
-    feed = [torch.randint(0, vocab, (width,), generator=g).tolist()] * batch
+    decoder, feed = _decoder_after(model, batch, width, context)
     for _ in range(5):
         decoder.forward(feed, width)
         decoder.rollback([context] * batch)
@@ -114,9 +121,10 @@ def profile_step(model: torch.nn.Module, batch: int, width: int, context: int, r
         table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
     except Exception as e:  # noqa: BLE001
         table = f"{type(e).__name__}: {e}"
-    timed = time_step(model, batch, width, context, reps=20)
+    timed = _timed(decoder, feed, context, reps=20, warmup=0)  # the same decoder, warm already
     return {"kernels": kernels, "kernel_us_per_step": sum(k["us_per_step"] for k in kernels),
-            "launches_per_step": sum(k["per_step"] for k in kernels), "step_gpu_us": timed["gpu_ms"] * 1e3, "table": table}
+            "launches_per_step": sum(k["per_step"] for k in kernels), "step_gpu_us": timed["gpu_ms"] * 1e3,
+            "table": table}
 
 
 @torch.inference_mode()

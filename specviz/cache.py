@@ -74,6 +74,18 @@ def trusted(directory: Path, info: dict, name: str, progress: Callable[[str, flo
     return reason is None
 
 
+def write_json(path: Path, d: dict) -> None:
+    """Atomically (a reader never sees half a file); a read-only or full cache only costs a later start the
+    measurement it would have read."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(d))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def disk_full(error: OSError) -> bool:
     return error.errno in (errno.ENOSPC, errno.EDQUOT)
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Callable
 
-from specviz.cache import cache_dir
+from specviz.cache import cache_dir, write_json
 from specviz.decoding.cost import CostModel
 from specviz.machine import describe as describe_machine
 from specviz.native import source_digest
@@ -44,7 +43,7 @@ def _read_cached(path: Path) -> dict | None:
         return None
 
 
-def _rounds(calls: dict[object, Callable[[], None]], repeats: int) -> dict[object, float]:
+def timed_rounds(calls: dict[object, Callable[[], None]], repeats: int) -> dict[object, float]:
     """Median seconds of each call over `repeats` rounds that run every call once, after one warm-up of each: a
     slow spell of the host then falls on every point alike, so the curve's shape (what the policy weighs γ by)
     survives it; timed point after point, a spell at 3 tokens once priced them at 1.5× one for good on a Whisper
@@ -65,8 +64,8 @@ def _shape_holds(cached: CostModel, batch: int, target_step: Step, plain_step: C
     curve does (each within CHECK_TOLERANCE): a curve written while the host was busy, or before a change of its
     clocks, is measured again rather than steering every later run (a cached plain step at 1.23× a one-token
     forward, where the two cost the same, overpriced target-only and so every prediction of a Whisper run by ~20%)."""
-    timed = _rounds({1: lambda: target_step(1), "plain": plain_step, CHECK_TOKENS: lambda: target_step(CHECK_TOKENS)},
-                    CALIBRATION_REPEATS)
+    timed = timed_rounds({1: lambda: target_step(1), "plain": plain_step, CHECK_TOKENS: lambda: target_step(CHECK_TOKENS)},
+                        CALIBRATION_REPEATS)
     one = cached.curve[(batch, 1)]
     expected = {CHECK_TOKENS: cached.curve[(batch, CHECK_TOKENS)] / one, "plain": cached.curve_plain[batch] / one}
     return all(abs(timed[key] / timed[1] / ratio - 1) <= CHECK_TOLERANCE for key, ratio in expected.items())
@@ -85,18 +84,18 @@ def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, d
                                   and batch in model.curve_plain and _shape_holds(model, batch, target_step, plain_step)):
         model = None
     if model is None:
-        # every point in each round (see _rounds); the plain step beside the one-token forward it is priced against
+        # every point in each round (see timed_rounds); the plain step beside the one-token forward it is priced against
         calls: dict[object, Callable[[], None]] = {1: lambda: target_step(1), "plain": plain_step}
         calls.update({m: (lambda m=m: target_step(m)) for m in CALIBRATION_TOKENS[1:]})
         if draft_step is not None:
             calls["draft"] = draft_step
-        timed = _rounds(calls, CALIBRATION_REPEATS)
+        timed = timed_rounds(calls, CALIBRATION_REPEATS)
         for m in CALIBRATION_TOKENS:
             costs.set_target(batch, m, timed[m])
         costs.set_plain(batch, timed["plain"])
         if draft_step is not None:
             costs.set_draft(batch, timed["draft"])
-        _write(path, {"target": [[batch, m, costs.curve[(batch, m)], 0] for m in CALIBRATION_TOKENS],
+        write_json(path, {"target": [[batch, m, costs.curve[(batch, m)], 0] for m in CALIBRATION_TOKENS],
                       "plain": [[batch, costs.curve_plain[batch], 0]],
                       "draft": [[batch, costs.curve_draft[batch], 0]] if batch in costs.curve_draft else []})
     else:
@@ -106,13 +105,3 @@ def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, d
     costs.calibration_s += time.perf_counter() - t0
     costs.calibrated_from_cache = model is not None
 
-
-def _write(path: Path, d: dict) -> None:
-    """Atomically: a reader never sees half a file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(d))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs the next run its calibration

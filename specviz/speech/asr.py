@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache, WhisperForConditionalGeneration, WhisperProcessor
 
-from specviz.speech import lean_decoder
+from specviz.speech import encoder, lean_decoder
 from specviz.speech.audio import SAMPLE_RATE, windows
 from specviz.decoding.decoder import SlottedDecoder
 from specviz.decoding.drafts import SubsetHead, draft_head_size, special_ids, subset_head
@@ -44,6 +44,8 @@ class SpeechPair(OnTarget):
     # the target's decoder layers a layer draft is made of (None: a separate assistant). Their cross-attention keys
     # and values are the target's, computed once per window for both (SpeechSource.decoders).
     draft_layers: tuple[int, ...] | None = None
+    # the encoder's precision and why (speech.encoder.choose); None: as loaded
+    encoder: dict | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -178,12 +180,14 @@ def load_speech_pair(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     quantized_draft: bool | None = None,
+    encoder_dtype: str | None = None,
     progress: Progress = _silent,
 ) -> SpeechPair:
     """target: 'default' (embedded Whisper base), a hub id or a directory. draft: 'default' (the target's
     layers DEFAULT_DRAFT_LAYERS), 'layers:i,j,...', or another Whisper (hub id or directory). quantized_draft:
     quantized draft weights (quantized_layer_draft; None: exactly when the models run on the CPU; needs an fp32
-    target there). An fp32 target on the CPU runs its decoder on specviz's kernels (kernel_decoder)."""
+    target there). An fp32 target on the CPU runs its decoder on specviz's kernels (kernel_decoder). encoder_dtype:
+    'auto' (None: $SPECVIZ_SPEECH_ENCODER, else auto), 'fp32' or 'bf16' (speech.encoder.choose)."""
     t_model, processor = load_whisper(target, device=device, dtype=dtype, progress=progress)
     t_name = "whisper-base" if target == DEFAULT else target
     if quantized_draft is None:
@@ -191,6 +195,11 @@ def load_speech_pair(
     if quantized_draft and (t_model.device.type != "cpu" or t_model.dtype != torch.float32):
         raise ModelLoadError("the quantized speech draft runs on the CPU beside an fp32 target only")
     kernel_decoder(t_model)
+    progress("choosing the encoder's precision", None)
+    try:
+        encoder_choice = encoder.choose(t_model, t_name, encoder_dtype)  # before a draft shares the encoder
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     layers = None
     if draft == DEFAULT or draft.startswith("layers:"):
         layers = DEFAULT_DRAFT_LAYERS if draft == DEFAULT else parse_layers(draft)
@@ -214,7 +223,7 @@ def load_speech_pair(
     # read, 3.36 → 2.88 ms a step on the sample clip, greedy agreement with the target 0.92 → 0.90 teacher-forced)
     cross_kv = torch.float16 if quantized_draft else torch.float32
     return SpeechPair(lean_decoder.attach(t_model), lean_decoder.attach(d_model, cross_kv), processor, t_name, d_name,
-                      layers)
+                      layers, encoder_choice)
 
 
 class WhisperDecoder(SlottedDecoder):
@@ -337,7 +346,7 @@ class SpeechSource:
         pair = self.pair
         features = pair.processor.feature_extractor([self.chunks[r] for r in rows], sampling_rate=SAMPLE_RATE,
                                                     return_tensors="pt").input_features
-        encoder_out = pair.target.model.encoder(features.to(pair.device, pair.dtype)).last_hidden_state
+        encoder_out = encoder.encode(pair.target, features)
         target_cross, draft_cross = _cross_attention(pair, encoder_out, with_draft)
         make = lambda model, head, cross: WhisperDecoder(model, encoder_out, len(self.prompt),  # noqa: E731
                                                          self.suppress, self.begin, head, cross)
@@ -354,6 +363,7 @@ class SpeechSource:
                 "vocab_size": pair.vocab_size, "draft_vocab_size": draft_head_size(self.draft_head, pair.vocab_size),
                 "audio_seconds": sum(self.clip_seconds), "language": self.language,
                 "draft_weights": decoder_weights(pair.draft), "target_weights": decoder_weights(pair.target),
+                "target_encoder": encoder.describe(pair.target),
                 "prompt_text": pair.processor.tokenizer.decode(self.prompt)}
 
 

@@ -138,10 +138,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     dtype = str(pair.dtype).removeprefix("torch.")
     batch = min(args.batch_size, len(source.sequences))
     weights = getattr(pair, "target_weights", "")
+    encoder = source.meta().get("target_encoder")  # speech: what the encoder runs in (speech.encoder)
     print(f"\n{names}, {dtype}, {len(source.sequences)} sequences in batches of {batch}, {machine.describe()}"
-          + (f"\ntarget: {weights} · draft: {pair.draft_weights}" if weights else ""))
+          + (f"\ntarget: {weights} · draft: {pair.draft_weights}" if weights else "")
+          + (f"\nencoder: {encoder}" if encoder else ""))
     if args.json:
         report = {"machine": machine.describe(), "models": names, "dtype": dtype, "target_weights": weights,
+                  **({"target_encoder": encoder} if encoder else {}),
                   "draft_weights": getattr(pair, "draft_weights", ""),
                   "inputs": args.inputs or ["sample article"], "sequences": len(source.sequences), "batch_size": batch,
                   "repeat": args.repeat, "statistic": "tokens/s: the median run by wall time; speedup_end_to_end and speedup_decode: the "

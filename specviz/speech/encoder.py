@@ -7,9 +7,10 @@ The encoder is most of what a transcription costs on a CPU (42 G multiply-adds a
 fp32, and so does its output; the stored weights too): on that Zen 4 (AVX-512 BF16) 0.63 → 0.44 s a window, the
 output within 1.2% (relative L2) of fp32's; the target's next-token distributions along its transcripts of the
 eval clips and the sample, 297 positions: KL mean 0.9e-4 from fp32's (the text target's 8-bit activations: 19e-4),
-the same greedy token at every position (docs/benchmarks.md, "Speech"). It is a different target from the fp32
-one, named in every trace (`target_encoder`); a speculative run and its target-only baseline read the same
-encoder, so their outputs stay equal. The decoders, their cross-attention keys and values included, are unchanged.
+the same greedy token at every position, the same transcript of all 15 clips tried (docs/benchmarks.md,
+"Speech"). It is a different target from the fp32 one, named in every trace (`target_encoder`); a speculative
+run and its target-only baseline read the same encoder, so their outputs stay equal. The decoders, their
+cross-attention keys and values included, are unchanged.
 
 Each window is encoded alone, so a window's output never depends on which other windows share its batch.
 """

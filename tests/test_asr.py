@@ -407,6 +407,92 @@ def test_a_speech_trace_names_its_encoder(tiny_speech_pair):
     assert trace.meta["target_encoder"] == "float32"
 
 
+# ---- the speech draft's layers in one native call (speech.native_whisper) ----------------------------------
+
+def _native_pair() -> SpeechPair:
+    """The embedded pair's shape of draft on tiny Whisper: the target on the kernels, a 4-bit layer draft whose
+    layers run natively (as load_speech_pair builds them)."""
+    target = tiny_whisper()
+    kernel_decoder(target)
+    draft, _ = quantized_layer_draft(target, (0, 1, 3))
+    processor = SimpleNamespace(tokenizer=word_tokenizer(TINY_V), feature_extractor=WhisperFeatureExtractor())
+    return SpeechPair(lean_decoder.attach(target), lean_decoder.attach(draft, torch.float16, native=True), processor,
+                      "tiny", "tiny layers [0, 1, 3] (native)", (0, 1, 3))
+
+
+needs_native = pytest.mark.skipif(not cpu_kernels.has_int8_activations(), reason="the 8-bit-activation kernels do not "
+                                  "build here")
+
+
+@needs_native
+def test_the_native_draft_is_the_lean_drafts_numbers_up_to_rounding_and_batch_invariant():
+    pair = _native_pair()
+    lean = pair.draft.lean_decoder
+    assert lean.native is not None and getattr(pair.target.lean_decoder, "native", None) is None  # drafts only
+    clips = [("a", _tone(2.0, SAMPLE_RATE)), ("b", _tone(5.0, SAMPLE_RATE, freq=440))]
+    source = SpeechSource(pair, clips)
+    feeds = [list(source.prompt) + [7, 8, 9, 10], list(source.prompt) + [11, 12]]
+
+    def logits(native: bool, rows: list[int]) -> torch.Tensor:
+        lean_native = lean.native
+        lean.native = lean_native if native else None
+        try:
+            draft, _ = source.decoders(rows, True)
+            draft.prefill([feeds[r][:3] for r in rows])
+            return draft.forward([feeds[r][3:] for r in rows], 1)[:, -1]  # [rows, V]
+        finally:
+            lean.native = lean_native
+    native, python = logits(True, [0, 1]), logits(False, [0, 1])
+    finite = torch.isfinite(python)
+    assert torch.equal(finite, torch.isfinite(native))
+    # the 8-bit activations turn rounding into whole code steps: the fp64 layer norm moved this forward by 0.2-0.8%
+    # on the embedded draft; here within 5%, the same most likely token
+    assert ((native - python)[finite].norm() / python[finite].norm()).item() < 0.05
+    assert torch.equal(native.argmax(-1), python.argmax(-1))
+    # a row's bits whatever else the call holds: alone, or beside a row of another length and clip
+    assert torch.equal(logits(True, [1])[0], native[1])
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["baseline", "exact"])
+def test_the_native_draft_output_follows_the_target(mode):
+    """The first emitted token follows p with the native draft's q (its logits after the prompt of a real tiny
+    Whisper window): chi-square goodness of fit, sample size to detect TV 0.02 with power 0.99 at level
+    FAMILY_ALPHA / 2, fixed seeds (tests/test_verify_statistics.py)."""
+    from test_verify_statistics import FAMILY_ALPHA, POWER, Pair, gof_failure, probs_of, run_copies, samples_to_detect_tv
+
+    pair = _native_pair()
+    source = SpeechSource(pair, [("a", _tone(3.0, SAMPLE_RATE))])
+    draft, target = source.decoders([0], True)
+    prompt = list(source.prompt)
+    draft.prefill([prompt[:-1]])
+    target.prefill([prompt[:-1]])
+    with torch.inference_mode():
+        q = draft.forward([[prompt[-1]]], 1)[0]  # [1, V]: the draft's next-token logits
+        p = target.forward([[prompt[-1], 5]], 2)[0]  # [2, V]: the target's, and after one drafted token
+    sampling = SamplingConfig(temperature=1.0)
+    probs = probs_of(p[0], sampling)
+    assert 0.5 * np.abs(probs - probs_of(q[0], sampling)).sum() > 0.1  # a draft far enough from p to test much
+    alpha = FAMILY_ALPHA / 2
+    n = samples_to_detect_tv(0.02, int((probs > 0).sum()) - 1, alpha, POWER)
+    out = run_copies(mode, Pair(f"native_whisper_{mode}", q, p, sampling), n, seed=77)
+    counts = torch.bincount(out.first_token, minlength=p.shape[-1]).numpy()
+    assert (failure := gof_failure(counts, probs, alpha)) is None, failure
+
+
+@needs_native
+def test_speculation_with_the_native_draft_equals_target_only():
+    pair = _native_pair()
+    clips = [("a", _tone(2.0, SAMPLE_RATE)), ("b", _tone(6.0, SAMPLE_RATE, freq=330))]
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=0.9)):
+        cfg = SpecConfig(mode="exact", sampling=sampling, max_new_tokens=20, seed=3)
+        reference = transcribe_clips(pair, clips, cfg, target_only=True)
+        trace = transcribe_clips(pair, clips, cfg)
+        if sampling.temperature == 0:
+            assert trace.outputs == reference.outputs
+        assert trace.drafted()
+
+
 # ---- the embedded Whisper base, real speech ------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,17 @@ struct Layer {
     Projection down;
 };
 
+// One Whisper decoder layer (pre-norm; LayerNorm with a bias; q scaled after its projection; GELU), for
+// specviz_whisper_layers. Mirrored by ctypes in specviz/speech/native_whisper.py: change both together.
+struct WhisperLayer {
+    const float* norm_weight[3];  // self_attn_layer_norm, encoder_attn_layer_norm, final_layer_norm
+    const float* norm_bias[3];
+    double eps;
+    Projection q, k, v, o;        // self-attention
+    Projection cross_q, cross_o;  // cross-attention (its keys and values are the window's, computed once)
+    Projection fc1, fc2;
+};
+
 namespace {
 
 enum Stage { NORM, QKV, ROTARY_CACHE, ATTENTION, OUTPUT, GATE_UP, SWIGLU, DOWN, RESIDUAL, STAGES };
@@ -149,6 +160,52 @@ inline void store_half(const float* x, int64_t D, uint16_t* out) {
     for (int64_t d = 0; d < D; d += 8)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
                          _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// out = (x - mean) / sqrt(var + eps) · weight + bias, one row (LayerNorm; two passes, the same order every row)
+void layer_norm_row(const float* x, const float* weight, const float* bias, float eps, int64_t E, float* out) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= E; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
+    float total = specviz_math::lanes_sum(acc);
+    for (; i < E; ++i) total += x[i];
+    const float mean = total / static_cast<float>(E);
+    const __m256 m = _mm256_set1_ps(mean);
+    acc = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= E; i += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), m);
+        acc = _mm256_fmadd_ps(d, d, acc);
+    }
+    float squares = specviz_math::lanes_sum(acc);
+    for (; i < E; ++i) squares += (x[i] - mean) * (x[i] - mean);
+    const float inv = 1.0f / sqrtf(squares / static_cast<float>(E) + eps);
+    for (i = 0; i < E; ++i) out[i] = (x[i] - mean) * inv * weight[i] + bias[i];
+}
+
+// x = GELU(x) = x/2 · (1 + erf(x/√2)) in place, erf by Abramowitz and Stegun 7.1.26 (|error| ≤ 1.5e-7, fp32's
+// own scale; a draft's approximation, which moves acceptance, never the output)
+void gelu_row(float* x, int64_t I) {
+    const __m256 p = _mm256_set1_ps(0.3275911f), one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 a1 = _mm256_set1_ps(0.254829592f), a2 = _mm256_set1_ps(-0.284496736f),
+                 a3 = _mm256_set1_ps(1.421413741f), a4 = _mm256_set1_ps(-1.453152027f),
+                 a5 = _mm256_set1_ps(1.061405429f), root_half = _mm256_set1_ps(0.70710678118654752f),
+                 sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(sign, v), root_half);  // |x| / √2
+        const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(p, z, one));
+        __m256 poly = _mm256_fmadd_ps(a5, t, a4);
+        poly = _mm256_fmadd_ps(poly, t, a3);
+        poly = _mm256_fmadd_ps(poly, t, a2);
+        poly = _mm256_fmadd_ps(poly, t, a1);
+        poly = _mm256_mul_ps(poly, t);
+        const __m256 e = specviz_math::exp_nonpositive(_mm256_xor_ps(_mm256_mul_ps(z, z), sign));  // e^-z²
+        const __m256 erf_abs = _mm256_fnmadd_ps(poly, e, one);
+        const __m256 erf = _mm256_or_ps(erf_abs, _mm256_and_ps(sign, v));  // erf is odd
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, erf)));
+    }
+    for (; i < I; ++i) x[i] = 0.5f * x[i] * (1.0f + erff(x[i] * 0.70710678118654752f));
 }
 
 constexpr int64_t MAX_HEAD_DIM = 512;  // a rotated key's room on the stack before it is rounded to fp16
@@ -261,6 +318,90 @@ void specviz_decoder_layers(float* hidden, const Layer* layers, int64_t n_layers
         clock.lap(DOWN);
         for (int64_t i = 0; i < M * E; ++i) hidden[i] += proj[i];
         clock.lap(RESIDUAL);
+    }
+}
+
+// Whisper's decoder layers over hidden [B·W, E] in place, for a speech draft (its projections on the
+// 8-bit-activation kernels): per layer LayerNorm, q (times scaling), k, v, the new keys and values into the
+// self-attention cache's buffers (fp32, or fp16 where kv_half), self-attention, out_proj and the residual;
+// LayerNorm, cross q (times scaling), attention over the window's keys and values cross_keys / cross_values
+// [B, H, frames, D] (fp16 where cross_half, else fp32), cross out_proj and the residual; LayerNorm, fc1, GELU,
+// fc2 and the residual. sees [B, W, past + W] as for specviz_decoder_layers; every head is its own key head.
+// Batch-invariant as the rest of this file: each row by itself, the same operations whatever the call.
+void specviz_whisper_layers(float* hidden, const WhisperLayer* layers, int64_t n_layers, void* const* keys,
+                            void* const* values, int64_t kv_half, int64_t capacity, int64_t past,
+                            const uint8_t* sees, const void* const* cross_keys, const void* const* cross_values,
+                            int64_t cross_half, int64_t frames, int64_t B, int64_t W, int64_t E, int64_t H,
+                            int64_t D, int64_t I, float scaling, int nthreads) {
+    const int64_t M = B * W;
+    const bool parallel_rows = M >= 16;  // below, one thread is quicker than waking the other
+    std::vector<float> xn(M * E), q(M * E), k(M * E), v(M * E), qh(M * E), att(M * E), proj(M * E), mlp(M * I);
+    const std::vector<uint8_t> sees_all(M * frames, 1);
+    // rows' q times scaling, [M, E] -> [B, H, W, D] as the attention kernel takes them
+    auto heads_first = [&](const float* x) {
+        for (int64_t r = 0; r < M; ++r) {
+            const int64_t b = r / W, w = r % W;
+            for (int64_t h = 0; h < H; ++h)
+                for (int64_t d = 0; d < D; ++d) qh[((b * H + h) * W + w) * D + d] = x[r * E + h * D + d] * scaling;
+        }
+    };
+    auto norm = [&](const WhisperLayer& L, int which) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
+        for (int64_t r = 0; r < M; ++r)
+            layer_norm_row(hidden + r * E, L.norm_weight[which], L.norm_bias[which], static_cast<float>(L.eps), E,
+                           xn.data() + r * E);
+    };
+    auto add = [&](const Projection& p, const float* x, int64_t K) {  // hidden += p(x)
+        project(p, x, M, K, proj.data(), nthreads);
+        for (int64_t i = 0; i < M * E; ++i) hidden[i] += proj[i];
+    };
+    for (int64_t l = 0; l < n_layers; ++l) {
+        const WhisperLayer& L = layers[l];
+        norm(L, 0);
+        project(L.q, xn.data(), M, E, q.data(), nthreads);
+        project(L.k, xn.data(), M, E, k.data(), nthreads);
+        project(L.v, xn.data(), M, E, v.data(), nthreads);
+        heads_first(q.data());
+        for (int64_t r = 0; r < M; ++r) {
+            const int64_t b = r / W, w = r % W;
+            for (int64_t h = 0; h < H; ++h) {
+                const int64_t slot = ((b * H + h) * capacity + past + w) * D;
+                if (kv_half) {
+                    store_half(k.data() + r * E + h * D, D, static_cast<uint16_t*>(keys[l]) + slot);
+                    store_half(v.data() + r * E + h * D, D, static_cast<uint16_t*>(values[l]) + slot);
+                } else {
+                    memcpy(static_cast<float*>(keys[l]) + slot, k.data() + r * E + h * D, sizeof(float) * D);
+                    memcpy(static_cast<float*>(values[l]) + slot, v.data() + r * E + h * D, sizeof(float) * D);
+                }
+            }
+        }
+        if (kv_half)
+            specviz_attention_f16kv(qh.data(), static_cast<const uint16_t*>(keys[l]),
+                                    static_cast<const uint16_t*>(values[l]), sees, B, H, H, W, past + W, capacity, D,
+                                    1.0f, att.data(), nthreads);
+        else
+            specviz_attention(qh.data(), static_cast<const float*>(keys[l]), static_cast<const float*>(values[l]),
+                              sees, B, H, H, W, past + W, capacity, D, 1.0f, att.data(), nthreads);
+        add(L.o, att.data(), E);
+
+        norm(L, 1);
+        project(L.cross_q, xn.data(), M, E, q.data(), nthreads);
+        heads_first(q.data());
+        if (cross_half)
+            specviz_attention_f16kv(qh.data(), static_cast<const uint16_t*>(cross_keys[l]),
+                                    static_cast<const uint16_t*>(cross_values[l]), sees_all.data(), B, H, H, W, frames,
+                                    frames, D, 1.0f, att.data(), nthreads);
+        else
+            specviz_attention(qh.data(), static_cast<const float*>(cross_keys[l]),
+                              static_cast<const float*>(cross_values[l]), sees_all.data(), B, H, H, W, frames, frames,
+                              D, 1.0f, att.data(), nthreads);
+        add(L.cross_o, att.data(), E);
+
+        norm(L, 2);
+        project(L.fc1, xn.data(), M, E, mlp.data(), nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parallel_rows)
+        for (int64_t r = 0; r < M; ++r) gelu_row(mlp.data() + r * I, I);
+        add(L.fc2, mlp.data(), I);
     }
 }
 

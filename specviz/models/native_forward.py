@@ -29,7 +29,7 @@ STAGES = ("norm", "qkv", "rotary_cache", "attention", "output", "gate_up", "swig
 MATMUL_STAGES = ("qkv", "output", "gate_up", "down")
 
 
-class _Projection(ctypes.Structure):  # decoder_cpu.cpp's Projection: change both together
+class Projection(ctypes.Structure):  # decoder_cpu.cpp's Projection: change both together
     _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
                 ("sub", ctypes.c_void_p), ("sup", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64),
                 ("group", ctypes.c_int64), ("q4", ctypes.c_int64), ("half", ctypes.c_int64)]
@@ -37,9 +37,9 @@ class _Projection(ctypes.Structure):  # decoder_cpu.cpp's Projection: change bot
 
 class _Layer(ctypes.Structure):  # decoder_cpu.cpp's Layer
     _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_double),
-                ("eps2", ctypes.c_double), ("qkv", _Projection * 3), ("qkv_parts", ctypes.c_int64),
-                ("o", _Projection), ("gate_up", _Projection * 2), ("gate_up_parts", ctypes.c_int64),
-                ("down", _Projection)]
+                ("eps2", ctypes.c_double), ("qkv", Projection * 3), ("qkv_parts", ctypes.c_int64),
+                ("o", Projection), ("gate_up", Projection * 2), ("gate_up_parts", ctypes.c_int64),
+                ("down", Projection)]
 
 
 def applies(projections: list[PackedLinear], norms: list[torch.Tensor]) -> bool:
@@ -49,11 +49,12 @@ def applies(projections: list[PackedLinear], norms: list[torch.Tensor]) -> bool:
             and all(p.int8_activations for p in projections) and all(w.dtype == torch.float32 for w in norms))
 
 
-def _projection(p: PackedLinear) -> _Projection:
+def projection(p: PackedLinear) -> Projection:
+    """decoder_cpu.cpp's view of a packed projection (pointers into p's tensors: the caller holds them)."""
     ptr = cpu_kernels.address
-    return _Projection(p.q.data_ptr(), ptr(p.scale), ptr(p.minv), ptr(p.sub), ptr(p.sup), ptr(p.bias),
-                       p.out_features, p.in_features // p.scale_groups, int(p.kind == "q4"),
-                       int(p.scale is not None and p.scale.dtype == torch.float16))
+    return Projection(p.q.data_ptr(), ptr(p.scale), ptr(p.minv), ptr(p.sub), ptr(p.sup), ptr(p.bias),
+                      p.out_features, p.in_features // p.scale_groups, int(p.kind == "q4"),
+                      int(p.scale is not None and p.scale.dtype == torch.float16))
 
 
 class NativeLayers:
@@ -75,11 +76,11 @@ class NativeLayers:
             qkv = [layer.qkv] if layer.qkv is not None else [layer.q, layer.k, layer.v]
             gate_up = [layer.gate_up] if layer.gate_up is not None else [layer.gate, layer.up]
             for i, p in enumerate(qkv):
-                entry.qkv[i] = _projection(p)
+                entry.qkv[i] = projection(p)
             for i, p in enumerate(gate_up):
-                entry.gate_up[i] = _projection(p)
+                entry.gate_up[i] = projection(p)
             entry.qkv_parts, entry.gate_up_parts = len(qkv), len(gate_up)
-            entry.o, entry.down = _projection(layer.o), _projection(layer.down)
+            entry.o, entry.down = projection(layer.o), projection(layer.down)
             self._held += [t for p in (*qkv, *gate_up, layer.o, layer.down)
                            for t in (getattr(p, name) for name in PackedLinear.BUFFERS) if t is not None]
 

@@ -152,7 +152,10 @@ def _load(sources: list[Path] | None = None, digest: str | None = None) -> ctype
         lib.specviz_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64,
                                                i64, i64, i64, i64, ctypes.c_float, ptr, cint]
         lib.specviz_rms_norm_rows.argtypes = [ptr, ptr, ctypes.c_float, i64, i64, ptr]
-        functions += [lib.specviz_decoder_layers, lib.specviz_rms_norm_rows]
+        # layers: an array of WhisperLayer (specviz.speech.native_whisper)
+        lib.specviz_whisper_layers.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64,
+                                               i64, i64, i64, i64, i64, ctypes.c_float, cint]
+        functions += [lib.specviz_decoder_layers, lib.specviz_rms_norm_rows, lib.specviz_whisper_layers]
     lib.specviz_q4_interleave.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
     lib.specviz_q8_interleave.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
     functions += [lib.specviz_q4_interleave, lib.specviz_q8_interleave]

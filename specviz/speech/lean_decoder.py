@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from specviz.models import cpu_attention, cpu_kernels
 from specviz.models.half_linear import HalfLinear
 from specviz.models.packed import PackedLinear
+from specviz.speech import native_whisper
 
 _KERNEL_LINEARS = (HalfLinear, PackedLinear)
 
@@ -95,11 +96,13 @@ class LeanWhisperDecoder:
     """The decoder forward of one supported model. Holds references to the model's own modules; read-only after
     construction, so one instance serves any number of decoders and threads."""
 
-    def __init__(self, model: nn.Module, cross_kv: torch.dtype = torch.float32):
+    def __init__(self, model: nn.Module, cross_kv: torch.dtype = torch.float32, native: bool = False):
         """cross_kv: how the cross-attention keys and values are kept. fp16 (a draft's choice: a draft's
         approximations change acceptance, never the output) halves what every step reads of them, 30 MB a step
-        for the embedded layer draft; fp32 keeps transformers' bits."""
+        for the embedded layer draft; fp32 keeps transformers' bits. native (a draft's choice too): its layers in
+        one native call a step where native_whisper.applies (rounding-close to this forward, not its bits)."""
         decoder = model.model.decoder
+        self.native = native_whisper.NativeWhisperLayers(model) if native and native_whisper.applies(model) else None
         self.cross_dtype = cross_kv
         self.embed = decoder.embed_tokens.weight  # [V, d]
         self.positions = decoder.embed_positions.weight  # [max positions, d]
@@ -148,8 +151,15 @@ class LeanWhisperDecoder:
         # than i's own slot; cross-attention sees every frame
         causal = torch.arange(slots)[None, :] <= (past + torch.arange(W))[:, None]  # [W, L + W]
         sees = (valid[:, None, :] & causal[None]).to(torch.uint8).contiguous()  # [B, W, L + W]
-        sees_all = torch.ones((B, W, encoder_out.shape[1]), dtype=torch.uint8)
         hidden = F.embedding(input_ids, self.embed) + self.positions[positions]  # [B, W, d]
+        cross = cache.cross_attention_cache
+        if self.native is not None and all(cache.is_updated.get(i) for i in range(len(self.layers))):
+            hidden = hidden.contiguous()
+            self.native.run(hidden, cache.self_attention_cache, past, sees,
+                            [(cross.layers[i].keys.contiguous(), cross.layers[i].values.contiguous())
+                             for i in range(len(self.layers))])
+            return _layer_norm(hidden[:, -keep:], self.norm)
+        sees_all = torch.ones((B, W, encoder_out.shape[1]), dtype=torch.uint8)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             x = _layer_norm(hidden, layer.self_attn_layer_norm)
@@ -167,8 +177,8 @@ class LeanWhisperDecoder:
         return _layer_norm(hidden[:, -keep:], self.norm)
 
 
-def attach(model: nn.Module, cross_kv: torch.dtype = torch.float32) -> nn.Module:
+def attach(model: nn.Module, cross_kv: torch.dtype = torch.float32, native: bool = False) -> nn.Module:
     """Give `model` its lean decoder as `model.lean_decoder` where `supports(model)`, else None there (set either
     way: a layer draft is a copy of its target and must not inherit the target's). Returns the model."""
-    model.lean_decoder = LeanWhisperDecoder(model, cross_kv) if supports(model) else None
+    model.lean_decoder = LeanWhisperDecoder(model, cross_kv, native) if supports(model) else None
     return model

@@ -595,6 +595,7 @@ def test_the_kernel_decoder_transcribes_as_the_fp32_decoder_does(base_pair):
     assert decoder_weights(base_pair.target) == ("fp16 weights, specviz fp16-weight kernel, batch-invariant attention, "
                                                  "lean forward")
     assert decoder_weights(base_pair.draft).startswith("Q4 (re-quantized by specviz) blocks")
+    assert decoder_weights(base_pair.draft).endswith("layers in one native call")  # speech.native_whisper
     assert decoder_weights(tiny_whisper()).startswith("dense float32, ")
     fp32 = copy.deepcopy(base_pair.target)
     _dense_again(fp32)

@@ -124,7 +124,9 @@ def decoder_weights(model: WhisperForConditionalGeneration) -> str:
     kinds = sorted({kind(m) for m in linears})
     implementation = decoder.config._attn_implementation
     attention = "batch-invariant attention" if implementation == cpu_attention.NAME else f"{implementation} attention"
-    lean = ", lean forward" if getattr(model, "lean_decoder", None) is not None else ""
+    lean_forward = getattr(model, "lean_decoder", None)
+    lean = "" if lean_forward is None else (", layers in one native call" if lean_forward.native is not None
+                                            else ", lean forward")
     return f"{' + '.join(kinds)}, {attention}{lean}"
 
 

@@ -11,6 +11,8 @@ batch-invariant attention with scale 1, GELU, residuals, the final norm), so the
 (tests/test_asr.py). Only the head differs in what it is given: the last `keep` rows instead of all of them,
 which the batch-invariant kernels score row by row. Used only where every decoder linear layer is on specviz's
 kernels and the decoder's attention is the batch-invariant one (speech.asr.kernel_decoder); else transformers'.
+A quantized draft walks its layers in one native call instead (speech.native_whisper), once its cross-attention
+keys and values are in its cache: its own numbers, equal to these up to rounding.
 """
 
 from __future__ import annotations
@@ -152,8 +154,8 @@ class LeanWhisperDecoder:
         causal = torch.arange(slots)[None, :] <= (past + torch.arange(W))[:, None]  # [W, L + W]
         sees = (valid[:, None, :] & causal[None]).to(torch.uint8).contiguous()  # [B, W, L + W]
         hidden = F.embedding(input_ids, self.embed) + self.positions[positions]  # [B, W, d]
-        cross = cache.cross_attention_cache
         if self.native is not None and all(cache.is_updated.get(i) for i in range(len(self.layers))):
+            cross = cache.cross_attention_cache  # every layer's, given at the decoder's set-up
             hidden = hidden.contiguous()
             self.native.run(hidden, cache.self_attention_cache, past, sees,
                             [(cross.layers[i].keys.contiguous(), cross.layers[i].values.contiguous())

@@ -405,6 +405,14 @@ def test_a_speech_trace_names_its_encoder(tiny_speech_pair):
     encoder.choose(tiny_speech_pair.target, "tiny", "fp32")
     trace = transcribe(tiny_speech_pair, _tone(1.0, SAMPLE_RATE), SpecConfig(max_new_tokens=4), target_only=True)
     assert trace.meta["target_encoder"] == "float32"
+    from specviz.figures.report import summary_markdown
+    from specviz.traces.json_format import loads_trace
+
+    trace.meta["target_weights"] = "dense float32"  # the tiny target's layers are torch's: give the line its start
+    assert "the encoder: float32" in summary_markdown(trace)
+    trace.meta["target_encoder"] = 32
+    with pytest.raises(Exception, match="target_encoder"):  # a malformed trace names the field it refuses
+        loads_trace(trace.to_json())
 
 
 # ---- the speech draft's layers in one native call (speech.native_whisper) ----------------------------------

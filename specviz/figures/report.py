@@ -187,9 +187,11 @@ def summary_markdown(trace: Trace) -> str:
         lines.append(f"ROUGE-1 F against the reference: {rouge:.3f}")
     names = {k: html.escape(str(trace.meta.get(k)))[:200] for k in ("draft", "target", "device", "dtype")}
     lines.append(f"draft {names['draft']} → target {names['target']} on {names['device']}, {names['dtype']}")
-    weights = {k: html.escape(str(trace.meta.get(k) or ""))[:200] for k in ("draft_weights", "target_weights")}
+    weights = {k: html.escape(str(trace.meta.get(k) or ""))[:200]
+               for k in ("draft_weights", "target_weights", "target_encoder")}
     if weights["target_weights"]:
-        lines.append(f"the target's linear layers: {weights['target_weights']} · the draft's: {weights['draft_weights']}")
+        lines.append(f"the target's linear layers: {weights['target_weights']} · the draft's: {weights['draft_weights']}"
+                     + (f" · the encoder: {weights['target_encoder']}" if weights["target_encoder"] else ""))
     if "alpha" in s:
         lines.append(draft_line(trace, s))
     priced = trace.config.get("draft_kind") == PRICED

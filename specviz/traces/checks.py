@@ -29,7 +29,7 @@ def json_name(value: Any) -> str:
 # meta fields that the figures and the summary read, and the JSON types they must have when present
 _META_TYPES = {"mode": (str,), "task": (str,), "config": (dict,), "prompt_text": (str,), "wer": (int, float),
                "rouge1": (int, float), "batch_size": (int,), "target_only": (dict,), "page_settings": (dict,),
-               "draft_weights": (str,), "target_weights": (str,), "prompts_reused": (int,),
+               "draft_weights": (str,), "target_weights": (str,), "target_encoder": (str,), "prompts_reused": (int,),
                "costs": (dict,), "prefill_s_by_model": (dict,)}
 
 

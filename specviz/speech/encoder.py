@@ -89,7 +89,8 @@ def _register() -> str:
 
 def _mark(encoder: nn.Module, bf16: bool) -> None:
     # read by encode(); the weights stay fp32 (autocast rounds them per call: ~5 ms a window against 400), so the
-    # model's dtype, its memory and its fp32 path are unchanged
+    # model's dtype, its memory and its fp32 path are unchanged. Set when a pair loads (choose), before any thread
+    # decodes with it; only benchmarks and tests switch it later, between runs of their own thread.
     encoder.bf16_products = bf16
     if bf16 and encoder.config._attn_implementation != ATTENTION:
         config = copy.copy(encoder.config)  # the encoder's own: the decoders keep their attention

@@ -57,6 +57,21 @@ def projection(p: PackedLinear) -> Projection:
                       int(p.scale is not None and p.scale.dtype == torch.float16))
 
 
+def claim_slots(cache, layers: int, like: torch.Tensor, past: int) -> tuple[list[int], list[int], int]:
+    """Every layer's room for a native call's new slots (like [B, Hkv, W, D]) in `cache` (a BufferedCache), each
+    starting at `past` -> the layers' key and value buffer addresses and their one capacity (the kernels take one)."""
+    keys, values, capacity = [], [], None
+    for i in range(layers):
+        k, v, start = cache.claim(i, like)
+        capacity = k.shape[2] if capacity is None else capacity
+        if start != past or k.shape[2] != capacity:  # the cache's layers grow together; the kernel takes one
+            raise ValueError(f"layer {i} of the cache holds {start} of {k.shape[2]} slots, layer 0 {past} of "
+                             f"{capacity}")
+        keys.append(k.data_ptr())
+        values.append(v.data_ptr())
+    return keys, values, capacity
+
+
 class NativeLayers:
     """The layers of a LeanForward as decoder_cpu.cpp's array of Layer, pointing into the weights' tensors, which it
     holds itself (a later LeanForward over the same model moves the modules' tensors to its own arena; these stay).
@@ -100,20 +115,6 @@ class NativeLayers:
                              f"{tuple(cos.shape)}, mask {tuple(sees.shape)} does not fit a model of hidden size "
                              f"{hidden_size} and head size {D} after {past} slots")
 
-    def _claim(self, cache, like: torch.Tensor, past: int) -> tuple[list[int], list[int], int]:
-        """Every layer's room for the call's new slots (like [B, Hkv, W, D]) in `cache` (a BufferedCache), each
-        starting at `past` -> the layers' key and value buffer addresses and their one capacity."""
-        keys, values, capacity = [], [], None
-        for i in range(self.layers):
-            k, v, start = cache.claim(i, like)
-            capacity = k.shape[2] if capacity is None else capacity
-            if start != past or k.shape[2] != capacity:  # the cache's layers grow together; the kernel takes one
-                raise ValueError(f"layer {i} of the cache holds {start} of {k.shape[2]} slots, layer 0 {past} of "
-                                 f"{capacity}")
-            keys.append(k.data_ptr())
-            values.append(v.data_ptr())
-        return keys, values, capacity
-
     def run(self, hidden: torch.Tensor, cache, past: int, cos: torch.Tensor, sin: torch.Tensor,
             sees: torch.Tensor) -> None:
         """hidden [B, W, E] fp32 contiguous, updated in place through every layer; cache: the BufferedCache holding
@@ -130,7 +131,7 @@ class NativeLayers:
         held = next((layer.keys.dtype for layer in getattr(cache, "layers", ()) if layer.keys is not None), kv_dtype)
         if held != kv_dtype:  # the kernel would write one format into the other
             raise ValueError(f"the cache holds {held} keys and values; the native layers were asked to write {kv_dtype}")
-        keys, values, capacity = self._claim(cache, hidden.new_empty(B, Hkv, W, D, dtype=kv_dtype), past)
+        keys, values, capacity = claim_slots(cache, self.layers, hidden.new_empty(B, Hkv, W, D, dtype=kv_dtype), past)
         seconds = _timing.seconds_for(threading.get_ident())
         cpu_kernels.library().specviz_decoder_layers(
             hidden.data_ptr(), self.array, self.layers, (ctypes.c_void_p * self.layers)(*keys),

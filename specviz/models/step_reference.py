@@ -4,6 +4,8 @@ runs on the CPU and wherever a kernel is not used."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.nn import functional as F
 

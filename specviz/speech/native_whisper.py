@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from specviz.models import cpu_kernels
-from specviz.models.native_forward import Projection, projection
+from specviz.models.native_forward import Projection, claim_slots, projection
 from specviz.models.packed import PackedLinear
 
 
@@ -107,16 +107,7 @@ class NativeWhisperLayers:
                              f"{tuple(sees.shape)}, cross keys {tuple(cross[0][0].shape)} {cross_dtype} does not fit a "
                              f"decoder of width {self.hidden_size}, {H} heads, {self.layers} layers after {past} slots")
         kv_dtype = getattr(cache, "kv_dtype", torch.float32)
-        like = hidden.new_empty(B, H, W, D, dtype=kv_dtype)
-        keys, values, capacity = [], [], None
-        for i in range(self.layers):
-            k, v, start = cache.claim(i, like)
-            capacity = k.shape[2] if capacity is None else capacity
-            if start != past or k.shape[2] != capacity:  # the layers grow together; the kernel takes one capacity
-                raise ValueError(f"layer {i} of the cache holds {start} of {k.shape[2]} slots, layer 0 {past} of "
-                                 f"{capacity}")
-            keys.append(k.data_ptr())
-            values.append(v.data_ptr())
+        keys, values, capacity = claim_slots(cache, self.layers, hidden.new_empty(B, H, W, D, dtype=kv_dtype), past)
         pointers = ctypes.c_void_p * self.layers
         cpu_kernels.library().specviz_whisper_layers(
             hidden.data_ptr(), self.array, self.layers, pointers(*keys), pointers(*values),

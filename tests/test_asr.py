@@ -401,6 +401,37 @@ def test_bf16_encoder_keeps_windows_apart_and_the_decoders_attention():
     assert all(torch.equal(together[b:b + 1], alone[b]) for b in range(3))  # a window's bits, whatever its batch
 
 
+@pytest.mark.skipif(not cpu_kernels.has_bf16_attention(), reason="the bf16 attention needs AVX-512 BF16")
+def test_bf16_encoder_attention_runs_on_the_kernel_as_fp32_sdpa_would(monkeypatch):
+    """Heads 64 wide (Whisper's): under bf16 products the encoder's attention goes to specviz's kernel, whose
+    output is fp32 SDPA's on the same bf16 numbers up to fp32 rounding, so at most one bf16 step apart once
+    rounded for out_proj; a window keeps its bits whatever its batch."""
+    torch.manual_seed(3)
+    config = WhisperConfig(vocab_size=TINY_V, num_mel_bins=80, d_model=128, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=128,
+                           decoder_ffn_dim=128, max_source_positions=1500, pad_token_id=TINY_V - 1)
+    model = WhisperForConditionalGeneration(config).float().eval()
+    encoder.choose(model, "tiny-64", "bf16")
+    attention = model.model.encoder.layers[0].self_attn
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 1500, 64, generator=g).bfloat16() for _ in range(3))
+    calls = []
+    real = cpu_kernels.bf16_attention
+    monkeypatch.setattr(cpu_kernels, "bf16_attention", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        on_kernel, _ = encoder._fp32_attention(attention, q, k, v, None, scaling=1.0)
+        features = _features(2, seed=5)
+        together = encoder.encode(model, features)
+        alone = [encoder.encode(model, features[b:b + 1]) for b in range(2)]
+        monkeypatch.setattr(cpu_kernels, "has_bf16_attention", lambda: False)
+        on_sdpa, _ = encoder._fp32_attention(attention, q, k, v, None, scaling=1.0)
+    assert len(calls) == 1 + 2 + 2  # the direct call, then the encoder's one layer per window, twice
+    assert on_kernel.dtype == on_sdpa.dtype == torch.bfloat16 and on_kernel.shape == (1, 1500, 2, 64)
+    torch.testing.assert_close(on_kernel.float(), on_sdpa.float(), rtol=2 ** -7, atol=1e-6)
+    assert (on_kernel != on_sdpa).float().mean().item() < 0.01  # rounded the other way only near a midpoint
+    assert all(torch.equal(together[b:b + 1], alone[b]) for b in range(2))
+
+
 def test_a_speech_trace_names_its_encoder(tiny_speech_pair):
     encoder.choose(tiny_speech_pair.target, "tiny", "fp32")
     trace = transcribe(tiny_speech_pair, _tone(1.0, SAMPLE_RATE), SpecConfig(max_new_tokens=4), target_only=True)

@@ -130,3 +130,47 @@ def test_a_cache_buffers_view_is_read_in_place_with_the_same_bits():
     in_place = cpu_kernels.attention(q, k, v, sees, 0.25)
     copied = cpu_kernels.attention(q, k.contiguous(), v.contiguous(), sees, 0.25)
     assert torch.equal(in_place, copied)
+
+
+# ---- full attention over bf16 inputs (kernels/cpu/encoder_attention_cpu.cpp: Whisper's encoder under bf16) ----
+
+bf16_kernel = pytest.mark.skipif(not cpu_kernels.has_bf16_attention(), reason="the bf16 attention needs AVX-512 BF16")
+
+
+def _bf16_qkv(B: int, H: int, S: int, D: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(3)]
+
+
+@bf16_kernel
+@pytest.mark.parametrize("B, H, S, D", [(1, 8, 1500, 64), (2, 3, 37, 64), (1, 2, 5, 32), (2, 2, 50, 128),
+                                        (1, 1, 1, 64)])
+def test_bf16_attention_is_fp32_attention_on_the_same_numbers(B, H, S, D):
+    """Tails of the 12-row and 32-key tiles included (37, 5, 50, 1): against float64 on the bf16 numbers."""
+    q, k, v = _bf16_qkv(B, H, S, D, seed=S + D)
+    out = cpu_kernels.bf16_attention(q, k, v, 0.3)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3).transpose(1, 2)
+    assert out.shape == (B, S, H, D) and out.dtype == torch.float32
+    fp32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.3).transpose(1, 2)
+    worst = (fp32.double() - ref).abs().max().item()  # torch's fp32 SDPA: measured ≤ 3e-6 here
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=max(2e-5, 8 * worst))
+
+
+@bf16_kernel
+def test_bf16_attention_gives_a_sequence_the_same_bits_in_any_batch():
+    q, k, v = _bf16_qkv(3, 4, 301, 64, seed=5)
+    together = cpu_kernels.bf16_attention(q, k, v, 1.0)
+    for b in range(3):
+        alone = cpu_kernels.bf16_attention(q[b:b + 1].clone(), k[b:b + 1].clone(), v[b:b + 1].clone(), 1.0)
+        assert torch.equal(together[b:b + 1], alone)
+
+
+@bf16_kernel
+def test_bf16_attention_refuses_what_it_is_not_built_for():
+    q, k, v = _bf16_qkv(1, 2, 8, 64, seed=6)
+    with pytest.raises(ValueError, match="must be bf16"):
+        cpu_kernels.bf16_attention(q.float(), k, v, 1.0)
+    with pytest.raises(ValueError, match="one shape"):
+        cpu_kernels.bf16_attention(q, k[:, :, :4].contiguous(), v, 1.0)
+    with pytest.raises(ValueError, match="width"):
+        cpu_kernels.bf16_attention(*(x[..., :48].contiguous() for x in (q, k, v)), 1.0)

@@ -229,6 +229,31 @@ def buffer_rows(x: torch.Tensor) -> int | None:
     return rows if rows >= S and (B == 1 or x.stride(0) == Hkv * rows * D) else None
 
 
+BF16_HEAD_DIMS = (32, 64, 128)  # what specviz_bf16_attention is built for (Whisper's heads are 64 wide)
+
+
+def has_bf16_attention() -> bool:
+    """Whether the kernels build here and have the full attention over bf16 inputs (it needs AVX-512 BF16)."""
+    return available() and bool(library().specviz_has_bf16_attention())
+
+
+def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k, v [B, H, S, D] bf16 contiguous, every row attending to every key -> out [B, S, H, D] fp32: q · k
+    as bf16 dot products (each product exact, fp32 sums), softmax and probabilities · values in fp32; each
+    (sequence, head) on its own (kernels/cpu/encoder_attention_cpu.cpp). Only where has_bf16_attention()."""
+    B, H, S, D = q.shape
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"bf16_attention: q, k, v must be bf16 of one shape, got {q.dtype} {tuple(q.shape)}, "
+                         f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
+    if D not in BF16_HEAD_DIMS or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"bf16_attention: contiguous heads of width {BF16_HEAD_DIMS}, got {D}")
+    out = torch.empty((B, S, H, D), dtype=torch.float32)
+    if library().specviz_bf16_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, S, D, scale,
+                                        out.data_ptr(), torch.get_num_threads()):
+        raise RuntimeError("this build of the CPU kernels has no bf16 attention")
+    return out
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, L, D] contiguous, k and v [B, Hkv, S, D] fp32 (or both fp16: the bits their fp32 copies would
     give, from half the bytes), each contiguous or the first S positions of a contiguous buffer (H a multiple of

@@ -1,4 +1,5 @@
-"""The C++ kernels' one library (kernels/cpu/: qmatmul_cpu.cpp, attention_cpu.cpp, decoder_cpu.cpp, verify_cpu.cpp):
+"""The C++ kernels' one library (kernels/cpu/: qmatmul_cpu.cpp, attention_cpu.cpp, encoder_attention_cpu.cpp,
+decoder_cpu.cpp, verify_cpu.cpp):
 built once per machine, loaded through ctypes, its functions declared here.
 
 Built with the system's C++ compiler, -O3 -march=native and OpenMP, into the model cache (keyed by the
@@ -27,7 +28,7 @@ from specviz.cache import cache_dir
 from specviz.paths import KERNELS
 
 SOURCES = [KERNELS / "cpu" / name for name in ("qmatmul_cpu.cpp", "half_matmul_cpu.cpp", "attention_cpu.cpp",
-                                               "decoder_cpu.cpp", "verify_cpu.cpp")]
+                                               "encoder_attention_cpu.cpp", "decoder_cpu.cpp", "verify_cpu.cpp")]
 HEADERS = [KERNELS / "cpu" / "vector_math.h"]  # included by the sources: part of what a build is keyed by
 
 
@@ -137,6 +138,8 @@ def _load(sources: list[Path] | None = None, digest: str | None = None) -> ctype
                                           ptr, cint]
         lib.specviz_attention_f16kv.argtypes = lib.specviz_attention.argtypes
         functions += [lib.specviz_attention, lib.specviz_attention_f16kv]
+    lib.specviz_bf16_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, cint]
+    lib.specviz_bf16_attention.restype = cint
     if lib.specviz_has_a8():
         lib.specviz_int8_peak.argtypes = [i64, cint]
         lib.specviz_int8_peak.restype = ctypes.c_double

@@ -33,13 +33,14 @@ from transformers import WhisperForConditionalGeneration
 from specviz.cache import cache_dir, write_json
 from specviz.decoding.calibration import timed_rounds
 from specviz.machine import describe as describe_machine
+from specviz.models import cpu_kernels
 
 ENCODER_ENV = "SPECVIZ_SPEECH_ENCODER"
 CHOICES = ("auto", "fp32", "bf16")  # auto: bf16 where it measures at least MARGIN faster here, else fp32
 ATTENTION = "specviz_fp32_sdpa"  # the encoder's attention while its products are bf16 (_fp32_attention)
 MARGIN = 0.10  # bf16 rounds the encoder's products: taken only for a clear gain, not a tie within the host's noise
 TIMING_ROUNDS = 2  # alternating rounds of one window each way, after a warm-up (~3 s once per machine and model)
-CACHE_VERSION = 1  # bump when what is measured changes: older cached choices are ignored
+CACHE_VERSION = 2  # bump when what is measured changes (2: bf16 attention on the kernel): older choices ignored
 
 Timer = Callable[[dict[str, Callable[[], None]]], dict[str, float]]  # calls by name -> seconds by name
 
@@ -60,15 +61,27 @@ def _bf16_capable() -> bool:
 
 
 def _fp32_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SDPA on fp32 queries, keys and values ([B, H, frames, D]) even under autocast: the softmax's logits are where
-    bf16's 8 bits cost most (every clip of the eval set and the sample, 297 positions: KL mean 1.1e-4 and greedy
-    agreement 99.7% with bf16 attention, 0.9e-4 and 100% with this, at the same speed). An fp32 call is plain SDPA."""
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The encoder's attention in fp32 arithmetic even under autocast ([B, H, frames, D] -> [B, frames, H, D]): the
+    softmax's logits are where bf16's 8 bits cost most (every clip of the eval set and the sample, 297 positions:
+    KL mean 1.1e-4 and greedy agreement 99.7% with bf16 attention, 0.9e-4 and 100% with this). Under autocast the
+    queries, keys and values are bf16 numbers already; where the kernels have it (AVX-512 BF16), specviz's
+    attention takes them as they are (q · k as exact bf16 products summed in fp32, the rest fp32: 33 → 20 ms a
+    layer on the 2-core Zen 4, within fp32's rounding of SDPA's); else SDPA on their fp32 copies. An fp32 call is
+    plain SDPA."""
+    unmasked = attention_mask is None and not dropout and not getattr(module, "is_causal", False)
+    if (unmasked and query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and query.shape == key.shape == value.shape and query.shape[-1] in cpu_kernels.BF16_HEAD_DIMS
+            and cpu_kernels.has_bf16_attention()):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = cpu_kernels.bf16_attention(query.contiguous(), key.contiguous(), value.contiguous(), scale)
+        return out.to(query.dtype), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     with torch.autocast("cpu", enabled=False):
         out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
-                                              **kwargs)
+                                              scaling=scaling, dropout=dropout, **kwargs)
     return out.to(query.dtype), weights
 
 

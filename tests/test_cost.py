@@ -134,7 +134,8 @@ def test_the_runs_own_calls_set_the_level_of_a_calibration_from_another_day():
     m.observe(1, 3, 4, 3, 0.18, 0.16 * 1.2, 0.002, 0.001, False)  # today the machine is 20% slower
     assert m.target_s(1, 4) == pytest.approx(0.192)  # not yet trusted alone: the curve at today's level
     assert m.target_s(1, 1) == pytest.approx(0.12) and m.plain_s(1) == pytest.approx(0.126)
-    assert m.draft_s(1) == pytest.approx(0.05)  # one call of its own does not yet replace the calibration
+    # one call of its own does not yet replace the calibration's draft, priced at today's level as the target is
+    assert m.draft_s(1) == pytest.approx(0.05 * 1.2)
     for _ in range(2):
         m.observe(1, 3, 4, 3, 0.18, 0.2, 0.002, 0.001, False)
     assert m.target_s(1, 4) == pytest.approx((0.192 + 0.2 + 0.2) / 3)  # three calls of its own: their mean
@@ -232,6 +233,31 @@ def test_policy_steps_plainly_and_probes_by_expected_loss_where_nothing_pays():
     assert near.probe_after(1, 1, expected_speedup(near.costs, 1, 1, [[0.6]]), lag=1) < spacing
 
 
+def test_plain_steps_let_an_unlucky_start_fade_back_towards_the_prior():
+    """A run whose first drafts were rejected (a window's first words: the speech batch of two stepped plainly to
+    its end after three short drafts) does not keep that α for good: each plain step ages it, as a drafter's that
+    sits out, so drafting resumes sooner than by probes at the unlucky α alone, and stays."""
+    m = synthetic(t1=0.1, per_token=0.01, draft=0.05)  # γ = 1 pays at α 0.8 (1.13×), not at 0.4 (0.88×)
+
+    def run(fading: bool) -> list[int]:
+        p = CostAware(costs=m)
+        if not fading:
+            p.acceptance.fade = lambda: None
+        for _ in range(3):
+            p.update(feedback(1, {0: [0.0]}))
+        assert p.current() == 0 and p.acceptance.alphas(None, 1)[0] < 0.5
+        gammas = []
+        for _ in range(60):
+            gammas.append(p.current())
+            p.update(feedback(gammas[-1], {0: [1.0] * gammas[-1]} if gammas[-1] else {}))
+        return gammas
+
+    faded, kept = run(True), run(False)
+    first = [next((i for i, g in enumerate(gammas) if g), len(gammas)) for gammas in (faded, kept)]
+    assert first[0] < 30 < first[1]  # measured: 21 plain steps, against none in 60 (probes come 64 apart here)
+    assert sum(g > 0 for g in faded) > 20 and faded[-1] > 1
+
+
 def test_policy_prices_plain_steps_itself_where_the_choice_is_close():
     """Drafting iterations never time a plain step, and its calibrated price can be off (the curve's shape
     drifts): where the best γ is expected to gain little, every PLAIN_PROBE_EVERY-th iteration is a plain step
@@ -281,7 +307,13 @@ def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
         calls.append(("plain",))
         time.sleep(0.002 + per_token[0])
 
-    steps = (target, lambda: calls.append(("draft",)), plain)
+    draft_s = [0.001]
+
+    def draft() -> None:
+        calls.append(("draft",))
+        time.sleep(draft_s[0])
+
+    steps = (target, draft, plain)
     first = CostModel()
     calibrate(first, {"target": "t"}, 1, *steps)
     assert {c[1] for c in calls if c[0] == "target"} == set(CALIBRATION_TOKENS)
@@ -292,9 +324,9 @@ def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
     n = len(calls)
     again = CostModel()
     calibrate(again, {"target": "t"}, 1, *steps)
-    spot = calls[n:]  # read from the file after a spot check of its shape: CHECK_TOKENS and a plain step against one
+    spot = calls[n:]  # read from the file after a spot check of its shape: CHECK_TOKENS, a plain step and a draft
     assert {c[1] for c in spot if c[0] == "target"} == {1, CHECK_TOKENS} and ("plain",) in spot
-    assert ("draft",) not in spot and again.calibrated_from_cache
+    assert ("draft",) in spot and again.calibrated_from_cache
     assert sorted(again.target) == sorted(first.target)
     per_token[0] = 0.006  # the machine now prices several tokens far above what the file says: measured again
     n = len(calls)
@@ -305,7 +337,14 @@ def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
     # sleeps that overshoot on a loaded machine; 2× failed once at 3.10 against 3.15)
     assert changed.curve[(1, CHECK_TOKENS)] / changed.curve[(1, 1)] > 1.5 * again.curve[(1, CHECK_TOKENS)] / again.curve[(1, 1)]
     n = len(calls)
-    slow_plain = (target, lambda: calls.append(("draft",)), lambda: (calls.append(("plain",)), time.sleep(0.03)))
+    draft_s[0] = 0.012  # a draft forward now far above its cached share (a busy spell when it was written): again
+    slow_draft = CostModel()
+    calibrate(slow_draft, {"target": "t"}, 1, *steps)
+    assert {c[1] for c in calls[n:] if c[0] == "target"} == set(CALIBRATION_TOKENS)
+    assert not slow_draft.calibrated_from_cache and slow_draft.curve_draft[1] > 2 * changed.curve_draft[1]
+    draft_s[0] = 0.001
+    n = len(calls)
+    slow_plain = (target, draft, lambda: (calls.append(("plain",)), time.sleep(0.03)))
     stale = CostModel()  # a plain step now far above its cached share of a one-token forward: measured again
     calibrate(stale, {"target": "t"}, 1, *slow_plain)
     assert {c[1] for c in calls[n:] if c[0] == "target"} == set(CALIBRATION_TOKENS) and not stale.calibrated_from_cache

@@ -20,7 +20,7 @@ CALIBRATION_REPEATS = 3  # rounds of timed calls (every point once a round), aft
 CALIBRATION_VERSION = 4  # bump when what a calibration measures changes: older cached curves are ignored (v2:
 # the plain step timed apart from the one-token forward; one noisy spell priced it at 1.5× that forward for good;
 # v4: every point in each round)
-CHECK_TOKENS = 4  # a cached curve's shape is checked here and at a plain step, against one token (_shape_holds)
+CHECK_TOKENS = 4  # a cached curve's shape is checked here, at a plain step and a draft forward, against one token
 CHECK_TOLERANCE = 0.25
 MAX_GAMMA = CALIBRATION_TOKENS[-1] - 1  # beyond the calibrated curve a γ would be priced by extrapolation
 
@@ -59,15 +59,20 @@ def timed_rounds(calls: dict[object, Callable[[], None]], repeats: int) -> dict[
     return {key: statistics.median(v) for key, v in samples.items()}
 
 
-def _shape_holds(cached: CostModel, batch: int, target_step: Step, plain_step: Callable[[], None]) -> bool:
-    """Whether this machine still prices CHECK_TOKENS tokens, and a plain step, against one token as the cached
-    curve does (each within CHECK_TOLERANCE): a curve written while the host was busy, or before a change of its
-    clocks, is measured again rather than steering every later run (a cached plain step at 1.23× a one-token
-    forward, where the two cost the same, overpriced target-only and so every prediction of a Whisper run by ~20%)."""
-    timed = timed_rounds({1: lambda: target_step(1), "plain": plain_step, CHECK_TOKENS: lambda: target_step(CHECK_TOKENS)},
-                        CALIBRATION_REPEATS)
+def _shape_holds(cached: CostModel, batch: int, target_step: Step, plain_step: Callable[[], None],
+                 draft_step: Callable[[], None] | None) -> bool:
+    """Whether this machine still prices CHECK_TOKENS tokens, a plain step and a draft forward against one token as
+    the cached curve does (each within CHECK_TOLERANCE): a curve written while the host was busy, or before a change
+    of its clocks, is measured again rather than steering every later run (a cached plain step at 1.23× a one-token
+    forward, where the two cost the same, overpriced target-only and so every prediction of a Whisper run by ~20%;
+    a batch of two windows' draft cached at 0.39 of a target step, 0.27 measured beside it, stepped plainly)."""
+    calls = {1: lambda: target_step(1), "plain": plain_step, CHECK_TOKENS: lambda: target_step(CHECK_TOKENS)}
     one = cached.curve[(batch, 1)]
     expected = {CHECK_TOKENS: cached.curve[(batch, CHECK_TOKENS)] / one, "plain": cached.curve_plain[batch] / one}
+    if draft_step is not None and batch in cached.curve_draft:
+        calls["draft"] = draft_step
+        expected["draft"] = cached.curve_draft[batch] / one
+    timed = timed_rounds(calls, CALIBRATION_REPEATS)
     return all(abs(timed[key] / timed[1] / ratio - 1) <= CHECK_TOLERANCE for key, ratio in expected.items())
 
 
@@ -81,7 +86,8 @@ def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, d
     cached = _read_cached(path)
     model = CostModel.from_dict(cached) if cached is not None else None
     if model is not None and not ((batch, 1) in model.curve and (batch, CHECK_TOKENS) in model.curve
-                                  and batch in model.curve_plain and _shape_holds(model, batch, target_step, plain_step)):
+                                  and batch in model.curve_plain
+                                  and _shape_holds(model, batch, target_step, plain_step, draft_step)):
         model = None
     if model is None:
         # every point in each round (see timed_rounds); the plain step beside the one-token forward it is priced against

@@ -166,8 +166,9 @@ class CostModel:
         if own and (len(own) >= self.TRUST or batch not in self.curve_draft):
             return _mean(own)
         near = self._nearest(batch, self.curve_draft)
-        if near is not None:
-            return self.curve_draft[near]
+        if near is not None:  # at the run's level, as the target's curve is: a slow spell slowed both alike
+            level = _mean(self.level[batch]) if self.level.get(batch) else 1.0
+            return self.curve_draft[near] * level
         near = self._nearest(batch, self.draft)
         return _mean(self.draft[near]) if near is not None else 0.0
 

@@ -256,7 +256,10 @@ class CostAware:
         return self.gamma
 
     def update(self, fb: Feedback) -> None:
-        self.acceptance.add(fb.examined)
+        if any(fb.examined.values()):
+            self.acceptance.add(fb.examined)
+        else:  # a plain step: α fades back towards the prior, as a drafter's that sits out does (probe_after)
+            self.acceptance.fade()
         for drafter, acceptance in self.by_drafter.items():
             if any((examined := fb.examined_by(drafter)).values()):
                 acceptance.add(examined)

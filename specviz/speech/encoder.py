@@ -4,10 +4,11 @@ faster (measured once per machine and model, cached).
 The encoder is most of what a transcription costs on a CPU (42 G multiply-adds a window: 0.6 s of a 13 s clip's
 1.0 s on the 2-core Zen 4, at its fp32 FMA floor), and the same for target-only and speculative runs. With
 `bf16` its linear layers and convolutions run in bf16 (torch's autocast: its layer norms and attention stay
-fp32, and so does its output; the stored weights too): on that Zen 4 (AVX-512 BF16) 0.63 → 0.44 s a window, the
-output within 1.2% (relative L2) of fp32's; the target's next-token distributions along its transcripts of the
-eval clips and the sample, 297 positions: KL mean 0.9e-4 from fp32's (the text target's 8-bit activations: 19e-4),
-the same greedy token at every position, the same transcript of all 15 clips tried (docs/benchmarks.md,
+fp32 in arithmetic, and so does its output; the stored weights too): on that Zen 4 (AVX-512 BF16) 0.63 → 0.44 s a
+window, then 0.34 s with the attention on specviz's kernel (`_fp32_attention`); the output within 1.2% (relative
+L2) of fp32's; the target's next-token distributions along its transcripts of the eval clips, the sample and an
+unseen clip, 331 positions: KL mean 0.9e-4 from fp32's (the text target's 8-bit activations: 19e-4), the same
+greedy token at all but one near-tie, the same transcript of 14 of 15 clips and the same WER (docs/benchmarks.md,
 "Speech"). It is a different target from the fp32 one, named in every trace (`target_encoder`); a speculative
 run and its target-only baseline read the same encoder, so their outputs stay equal. The decoders, their
 cross-attention keys and values included, are unchanged.

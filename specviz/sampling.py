@@ -37,7 +37,7 @@ def standardize(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     z = logits.float()
     if cfg.greedy:
         out = torch.full_like(z, float("-inf"))
-        return out.scatter_(-1, z.argmax(dim=-1, keepdim=True), 0.0)
+        return out.scatter_(-1, argmax(z).unsqueeze(-1), 0.0)
     if cfg.temperature != 1.0:
         z = z / cfg.temperature
     if cfg.top_k and cfg.top_k < z.shape[-1]:
@@ -61,7 +61,7 @@ def sample(std_logits: torch.Tensor, generator: torch.Generator | None, greedy: 
     draft paid it for every drafted token, target-only decoding for every token). fp32 CPU rows go to C++
     (specviz.native: masses summed in fp64 per chunk, ~0.25 ms); others to a float64 running sum in torch."""
     if greedy:
-        return std_logits.argmax(dim=-1)
+        return argmax(std_logits)
     V = std_logits.shape[-1]
     rows = std_logits.reshape(-1, V)  # [R, V]
     u = torch.rand((rows.shape[0],), generator=generator, device=rows.device)  # [R]
@@ -102,8 +102,22 @@ def _native_rows(rows: torch.Tensor) -> bool:  # rows [R, V]
     return rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.stride(-1) == 1 and native.available()
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over the last dimension: a row's first largest value, NaN counting as largest. fp32 CPU rows go
+    to C++ (specviz.native), a tenth of torch's time (~0.6 ns a logit there: 32 µs a Whisper row, ~95 µs a
+    Qwen row), which greedy decoding pays for every scored position, draft and target."""
+    V = logits.shape[-1]
+    rows = logits.reshape(-1, V)  # [R, V]
+    if not rows.shape[0] or not _native_rows(rows):
+        return logits.argmax(dim=-1)
+    index = torch.empty((rows.shape[0],), dtype=torch.long)
+    native.library().specviz_row_argmax(rows.data_ptr(), rows.shape[0], V, rows.stride(0), index.data_ptr(),
+                                        torch.get_num_threads())
+    return index.reshape(logits.shape[:-1])
+
+
 def draw(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     """Sample from the standardized distribution of raw logits (argmax when greedy, without standardizing)."""
     if cfg.greedy:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     return sample(standardize(logits, cfg), generator, greedy=False)

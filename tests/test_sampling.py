@@ -93,6 +93,24 @@ def test_greedy_is_the_argmax_and_draws_no_random_number():
     assert torch.equal(g.get_state(), state)
 
 
+def test_argmax_is_torchs_on_ties_nan_infinities_and_strided_rows(path):
+    """The greedy token on both paths is torch.argmax's: the first of tied maxima, the first NaN (torch counts NaN
+    as largest), index 0 for a row of -inf only; rows of a larger tensor read in place; vocabularies of both pairs."""
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(1, 51865, generator=g), torch.randn(2, 5, 151936, generator=g),
+             torch.randint(0, 3, (64, 1000), generator=g).float(), torch.randn(3, 6, 2000, generator=g)[:, 1:5],
+             torch.randn(5, 17, generator=g)]
+    odd = torch.randn(6, 1000, generator=g)
+    odd[1, 500] = odd[1, 700] = odd[4, 3] = float("nan")
+    odd[2] = float("-inf")
+    odd[3, 999] = float("inf")
+    odd[5, :9], odd[5, 9:] = -1.0, 0.0  # a plateau: 991 tied maxima from index 9 (one of them -0.0, equal to 0.0)
+    odd[5, 400] = -0.0
+    for x in [*cases, odd]:
+        assert torch.equal(sampling.argmax(x), x.argmax(dim=-1)), x.shape
+    assert sampling.argmax(odd).tolist() == [int(odd[0].argmax()), 500, 0, 999, 3, 9]
+
+
 @pytest.mark.gpu
 def test_draw_checked_reads_tokens_and_finiteness_back_once_on_gpu():
     """On a GPU the draw and the logits check share one readback: the same tokens as draw from the same

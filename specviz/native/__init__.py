@@ -169,7 +169,8 @@ def _load(sources: list[Path] | None = None, digest: str | None = None) -> ctype
     lib.specviz_residual_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
                                           f32, ptr, cint]
     lib.specviz_sample_rows.argtypes = [ptr, i64, i64, i64, f32, ptr, ptr, cint]
-    functions += [lib.specviz_row_lse, lib.specviz_residual_pick, lib.specviz_sample_rows]
+    lib.specviz_row_argmax.argtypes = [ptr, i64, i64, i64, ptr, cint]
+    functions += [lib.specviz_row_lse, lib.specviz_residual_pick, lib.specviz_sample_rows, lib.specviz_row_argmax]
     for f in functions:
         f.restype = None
     lib.specviz_isa.restype = ctypes.c_char_p

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from specviz.config import SamplingConfig
-from specviz.sampling import standardize
+from specviz.sampling import argmax, standardize
 from specviz.verify import cpu
 from specviz.verify.verdict import Verdict, accept_probs
 
@@ -177,8 +177,8 @@ def _verify_greedy(
 ) -> Verdict:
     """Temperature 0: both distributions are one-hot, so only argmaxes are needed (same for both modes)."""
     B, gamma = draft_tokens.shape
-    p_arg = target_logits.argmax(dim=-1)  # [B, γ+1]
-    q_arg = draft_logits.argmax(dim=-1)  # [B, γ]
+    p_arg = argmax(target_logits)  # [B, γ+1]
+    q_arg = argmax(draft_logits)  # [B, γ]
     p_x = (draft_tokens == p_arg[:, :gamma]).float()
     q_x = (draft_tokens == q_arg).float()
     ratio = p_x / (lenience * q_x)

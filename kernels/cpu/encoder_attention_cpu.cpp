@@ -22,6 +22,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SPECVIZ_BF16_ATTENTION 1
+#include "vector_math.h"
 #endif
 
 namespace {
@@ -29,24 +30,6 @@ namespace {
 #ifdef SPECVIZ_BF16_ATTENTION
 constexpr int64_t ROWS = 12;  // query rows a task scores at once: 24 of the 32 vector registers hold their tile
 constexpr int64_t TILE = 32;  // keys per score tile: two vectors of 16
-
-// e^x for x <= 0, the method of vector_math.h's exp_nonpositive (Cephes' single precision) on 16 lanes.
-inline __m512 exp_nonpositive16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                          _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 inline __m512bh as_bf16(__m512i x) { return (__m512bh)x; }
 
@@ -100,7 +83,7 @@ float softmax_numerators(float* s, int64_t S, int64_t Sp, float scale) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < Sp; j += 16) {
         const __m512 e = _mm512_maskz_mov_ps(lanes(j, S),
-                                             exp_nonpositive16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), factor, shift)));
+                                             specviz_math::exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), factor, shift)));
         _mm512_storeu_ps(s + j, e);
         sum = _mm512_add_ps(sum, e);
     }

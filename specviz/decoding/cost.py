@@ -120,6 +120,10 @@ class CostModel:
         near = self._nearest(batch, {b for b, _ in self.curve})
         return {m: s for (b, m), s in self.curve.items() if b == near}
 
+    def _level(self, batch: int) -> float:
+        """The run's target calls over the calibrated curve for this batch size (1 before any)."""
+        return _mean(self.level[batch]) if self.level.get(batch) else 1.0
+
     def target_s(self, batch: int, tokens: int) -> float:
         """Seconds of a target forward scoring `tokens` per row of a batch of `batch` rows."""
         return self.target_curve(batch, tokens)[tokens - 1]
@@ -132,7 +136,7 @@ class CostModel:
         """target_s(batch, m) for each m of `tokens` (a catch-up's reading of hundreds of tokens asks for two
         points, not the curve up to there)."""
         calibrated = self._calibrated(batch)
-        level = _mean(self.level[batch]) if self.level.get(batch) else 1.0
+        level = self._level(batch)
         called = {m: _mean(s) for (b, m), s in self.target.items() if b == batch}
         if not calibrated and not called:
             raise LookupError("no target call measured yet")
@@ -167,8 +171,7 @@ class CostModel:
             return _mean(own)
         near = self._nearest(batch, self.curve_draft)
         if near is not None:  # at the run's level, as the target's curve is: a slow spell slowed both alike
-            level = _mean(self.level[batch]) if self.level.get(batch) else 1.0
-            return self.curve_draft[near] * level
+            return self.curve_draft[near] * self._level(batch)
         near = self._nearest(batch, self.draft)
         return _mean(self.draft[near]) if near is not None else 0.0
 

@@ -97,6 +97,29 @@ def test_a_rows_output_is_the_same_bits_in_any_call():
             assert torch.equal(longer[0, 0], full[b, i]), (b, i, "more masked keys")
 
 
+def test_rows_taken_together_give_each_rows_bits_alone():
+    """Rows of one sequence are taken up to 8 at a time so that the keys they share are read once; a row's keys
+    after the shared ones go on alone. Whatever the rows share (a causal block's prefix, nothing under a random
+    mask, a row that sees nothing), each row must get the bits it gets alone (fp32 and fp16 keys, 7 heads a key
+    head, 11 rows: a block of 8 and one of 3)."""
+    g = torch.Generator().manual_seed(13)
+    H, Hkv, D, S, L = 14, 2, 64, 75, 11
+    q = torch.randn(2, H, L, D, generator=g)
+    for kv_dtype in (torch.float32, torch.float16):
+        k, v = (torch.randn(2, Hkv, S, D, generator=g).to(kv_dtype) for _ in range(2))
+        for sees in (causal_with_padding(2, L, S, [0, 4]).to(torch.uint8),
+                     (torch.rand(2, L, S, generator=g) < 0.6).to(torch.uint8)):
+            sees[1, 2] = 0  # a padding row: zeros
+            sees = sees.contiguous()
+            full = cpu_kernels.attention(q, k, v, sees, 0.125)
+            assert not full[1, 2].any()
+            for b in range(2):
+                for i in range(L):
+                    alone = cpu_kernels.attention(q[b:b + 1, :, i:i + 1].contiguous(), k[b:b + 1], v[b:b + 1],
+                                                  sees[b:b + 1, i:i + 1].contiguous(), 0.125)
+                    assert torch.equal(alone[0, 0], full[b, i]), (kv_dtype, b, i)
+
+
 @pytest.mark.parametrize("int8_activations", ACTIVATIONS, ids=["fp32-activations", "int8-activations"])
 def test_a_packed_models_logits_do_not_depend_on_the_call(int8_activations):
     _, model, _ = packed_twin(tiny_qwen(0), seed=10, int8_activations=int8_activations)

@@ -225,7 +225,7 @@ def test_eight_sessions_at_once_each_get_their_own_result(server, model_dirs, tm
 
 
 OTHERS = (("run", 2), ("compare", 2))  # the four other visitors a watched visitor's Run waits among
-ROUNDS = 4
+ROUNDS = 3
 
 
 def test_a_visitors_run_waits_its_turn_among_four_others_and_is_told_where_it_stands(server, model_dirs, tmp_path):

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.load
 # growth over the measured runs is what leaks.
 SESSIONS_KEPT = 8
 WARMUP = 10  # runs before the baseline: the models load, caches, thread pools and the sessions' state fill
-RUNS = int(os.environ.get("SPECVIZ_SOAK_RUNS", "30"))
+RUNS = int(os.environ.get("SPECVIZ_SOAK_RUNS", "24"))
 UPLOADS = int(os.environ.get("SPECVIZ_SOAK_UPLOADS", "4"))
 TRACE_MB = float(os.environ.get("SPECVIZ_LOAD_TRACE_MB", "6"))
 NEW_TOKENS = 12

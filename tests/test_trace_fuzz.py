@@ -22,7 +22,7 @@ from specviz.figures.why_panel import why_html
 from conftest import decode
 from test_trace import V1_TRACE
 
-N_MUTANTS = 3_000
+N_MUTANTS = 2_000
 SCRIPT = ['"><img src=x onerror=alert(1)>', '" onmouseover="alert(1)', "<script>alert(1)</script>",
           "javascript:alert(1)", "</span><b onclick=alert(1)>"]
 # numbers json.dumps cannot write (they are put into the text in place of these markers): 5,000 digits, a

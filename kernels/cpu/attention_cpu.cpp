@@ -160,8 +160,9 @@ void weighted_values(const float* const* s, const KV* vbase, const int32_t* keys
 
 // Keys per chunk when several rows share them: a chunk's keys (or values) are read from memory once and then
 // serve every (row, head) of the block from L1 (32 keys × D = 128 fp32: 16 KB). Measured on the 2-core Zen 4,
-// the target's 28 layers over 835 keys against one row a task (each row reading its keys and values again):
-// 8 rows 16.2 → 12.5–13.1 ms, one row 4.5 → 4.1 ms; the target's step 1 / 4 / 8 tokens 0.98 / 0.97 / 0.97×.
+// the target's 28 layers over 835 keys, with reading ahead, against one row a task that read its keys and
+// values again: 1 / 4 / 8 rows 4.4–6.2 / 8.8–10.2 / 14.0–17.1 → 3.0–4.1 / 7.2–7.3 / 12.9–15.7 ms; the target's
+// step at 1 / 4 / 8 tokens 0.98 / 0.96 / 0.97× (docs/benchmarks.md, "Attention over a long context").
 constexpr int64_t CHUNK = 32;
 constexpr int64_t ROWS_PER_TASK = 8;  // rows of one sequence taken together (a verification call's γ + 1)
 
@@ -182,8 +183,9 @@ struct Queries {
     int nq = 0;
 };
 
-template <int HP, typename KV, typename F>
-inline void by_groups(int nq, const F& f) {  // f(HP-sized group start) for full groups, then f1 for the rest
+// f(HP, first query) over the queries HP at a time, then one at a time for the rest
+template <int HP, typename F>
+inline void by_groups(int nq, const F& f) {
     int g = 0;
     for (; g + HP <= nq; g += HP) f(std::integral_constant<int, HP>{}, g);
     for (; g < nq; ++g) f(std::integral_constant<int, 1>{}, g);
@@ -194,7 +196,7 @@ void attend(Queries& Q, int64_t shared, const KV* kbase, const KV* vbase, int64_
     // scores: the shared keys chunk by chunk for every query, then each query's own
     for (int64_t c0 = 0; c0 < shared; c0 += CHUNK) {
         const int64_t len = shared - c0 < CHUNK ? shared - c0 : CHUNK;
-        by_groups<HEADS_PER_PASS, KV>(Q.nq, [&](auto hp, int g) {
+        by_groups<HEADS_PER_PASS>(Q.nq, [&](auto hp, int g) {
             constexpr int HP = decltype(hp)::value;
             float* sp[HP];
             for (int h = 0; h < HP; ++h) sp[h] = Q.s[g + h] + c0;
@@ -214,7 +216,7 @@ void attend(Queries& Q, int64_t shared, const KV* kbase, const KV* vbase, int64_
     }
     for (int64_t c0 = 0; c0 < shared; c0 += CHUNK) {
         const int64_t c1 = shared - c0 < CHUNK ? shared : c0 + CHUNK;
-        by_groups<HEADS_PER_PASS, KV>(Q.nq, [&](auto hp, int g) {
+        by_groups<HEADS_PER_PASS>(Q.nq, [&](auto hp, int g) {
             constexpr int HP = decltype(hp)::value;
             weighted_values<HP, KV>(Q.s.data() + g, vbase, Q.keys[g], c0, c1, D, Q.acc.data() + g,
                                     g == 0 ? ahead_for(vbase, Q.keys[g] + c0, shared - c0, D) : Ahead{});

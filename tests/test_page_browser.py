@@ -2,11 +2,14 @@
 
 Text runs use tiny random models saved to local directories (typed into the page's model fields, the same
 path a user with local checkpoints takes); one test runs the embedded pair; speech uses the embedded
-Whisper base. A screenshot of each run lands in $SPECVIZ_SCREENSHOTS (default: a pytest temp dir).
+Whisper base. A screenshot of each run lands in $SPECVIZ_SCREENSHOTS (default: a pytest temp dir). The README's
+gradio_client example runs, as written, against the same server at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -499,3 +502,32 @@ def test_evaluate_tab_runs_a_small_sweep_then_reloads_its_results(page, tiny_dir
     page.set_input_files("#eval-upload input[type=file]", str(bad))
     _wait_status(page, "⚠", timeout=60_000)
     assert "line 2" in _status(page)
+
+
+# ---- the README's API example ------------------------------------------------------------------------------
+# Here rather than in a module of its own: the page's server above has the embedded pair loaded by now, so the
+# example does not pay for another server and another load of the pair (~30 s of the test command).
+
+
+def _readme_api_example() -> str:
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("## The API", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.real
+def test_the_readme_api_example_runs_a_summary_and_downloads_its_trace(app_url, monkeypatch):
+    """The README's gradio_client example, run as it is written against the running app on the embedded models."""
+    code = _readme_api_example()
+    assert 'api_name="/run"' in code and "Client(" in code
+    code = code.replace('"http://127.0.0.1:7860/"', repr(app_url))
+    monkeypatch.chdir(ROOT)  # the example opens assets/ as a reader of this README in a checkout would
+    printed = io.StringIO()
+    scope: dict = {}
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md (The API)", "exec"), scope)  # noqa: S102 (our own README)
+    assert "Done: 24 tokens" in scope["status"] and "speedup measured" in scope["status"], scope["status"]
+    trace = json.loads(Path(scope["trace_file"]).read_text(encoding="utf-8"))
+    assert trace["meta"]["task"] == "summarize" and trace["meta"]["config"]["max_new_tokens"] == 24
+    assert sum(len(s["output_ids"]) for s in trace["sequences"]) == 24
+    assert trace["meta"]["target_only"]["tokens_per_s"] > 0  # the speedup was measured, not only predicted
+    assert scope["status"] in printed.getvalue()

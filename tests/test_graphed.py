@@ -254,7 +254,8 @@ def _fused_checks() -> None:
         assert fused._self_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
         assert fused._attend_check(cpu, dtype, 96, 80, 6, 2, 16, 1e-6) is None
     # the projections' kernel, every case, against the cuBLAS composition; 16 × 32 and 32 × 32 walk K in several
-    # steps, 32 × 32 with two row blocks (checked here instead of in a whole step: ~17 s interpreted)
+    # steps, 32 × 32 with 32 outputs a program (the last of 80 partly masked; checked here instead of in a whole
+    # step: ~17 s interpreted)
     for config in (*fused_linear.CANDIDATES, fused_linear.Config(16, 32), fused_linear.Config(32, 32)):
         assert fused_linear.check(cpu, torch.float32, config) is None
     for config in fused_linear.CANDIDATES:  # bf16 on the shipped tiles only (16 × 32 interpreted: ~6 s more)

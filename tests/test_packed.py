@@ -226,6 +226,24 @@ def test_int8_activations_let_a_nan_through_and_only_in_its_row():
     assert torch.isnan(layer(x)[1]).all()
 
 
+@A8
+@pytest.mark.parametrize("kind,group", KERNEL_CASES, ids=["q4", "q8g16", "q8g32"])
+def test_int8_activation_codes_at_their_edges_follow_the_reference(kind, group):
+    """The activations' quantization where it can go wrong, each row against the float64 reference: a group of
+    zeros (scale 0, codes 0), codes landing exactly on halves (amax 127 gives scale 1; rounded to even), one huge
+    value among small ones (they round to 0), tiny values (scale ~1e-32), the clamp at ±127."""
+    packed = random_packed(kind, 24, 256, seed=7, group=group)
+    x = torch.randn(5, 256)
+    x[0, :32] = 0.0
+    x[1, :32] = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])
+    x[2, :32] = 1e-3
+    x[2, 5] = 1e6
+    x[3, :32] = torch.randn(32) * 1e-30
+    x[4, :] = torch.linspace(-1, 1, 256)
+    got = PackedLinear(packed, None, int8_activations=True)(x)
+    torch.testing.assert_close(got, quantized_reference(x, packed, None), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind,group", KERNEL_CASES, ids=["q4", "q8g16", "q8g32"])
 def test_kernel_matches_torch_on_the_dequantized_weight(kind, group):
     packed = random_packed(kind, 70, 320, seed=1, group=group)  # N not a multiple of the tile, K of the slice

@@ -1,6 +1,10 @@
 """A change to the CPU kernels against the project's own, side by side in one process (docs/benchmarks.md,
 "Roofline"): the project's library and one built from another copy of kernels/cpu/ (specviz.native.load_variant)
-take turns call by call, on the embedded target's decoding step after an article's prompt.
+take turns call by call, on the embedded target's decoding step after an article's prompt (`--role draft`: the
+draft a text run steps, 4-bit with its reduced head and fp16 keys and values).
+
+A variant can also be the code before a change (`git show HEAD~1:kernels/cpu/...` into a folder): then "variant /
+project" reads old over new.
 
 Why: on a shared 2-core host the same code's one-token step moved 31.9–49.6 ms between `bench-steps` runs ten
 minutes apart (2026-11-27); alternating the two libraries call by call puts every slow spell on both, so a few
@@ -55,18 +59,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
+    from specviz.config import TEXT_DRAFT
+    from specviz.decoding.drafts import special_ids, subset_head
+    from specviz.models import lean
     from specviz.models.loading import load_model, parse_dtype
+    from specviz.models.quant import quantize_draft_q4
     from specviz.paths import ASSETS
     from specviz.text.prompts import max_prompt_tokens, summarization_prompt
     from specviz.text.source import CausalLMDecoder, draft_kv_dtype
 
     variant = native.load_variant(args.variant)
-    model, tokenizer, label = load_model("default", args.role, device=torch.device("cpu"),
-                                         dtype=parse_dtype("fp32"), weights="packed-a8")
     article = (args.article or ASSETS / "sample_article.txt").read_text()
-    prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))[:-1]
-    kv = draft_kv_dtype(model) if args.role == "draft" else torch.float32
-    decoder = CausalLMDecoder(model, model.config.vocab_size, 1, kv_dtype=kv)
+    if args.role == "target":
+        model, tokenizer, label = load_model("default", "target", device=torch.device("cpu"),
+                                             dtype=parse_dtype("fp32"), weights="packed-a8")
+        prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))[:-1]
+        decoder = CausalLMDecoder(model, model.config.vocab_size, 1, kv_dtype=torch.float32)
+    else:  # the draft a text run steps: 4-bit, its head reduced to the first ids, the specials and the prompt's
+        model, tokenizer, label = load_model("default", "draft", device=torch.device("cpu"),
+                                             dtype=parse_dtype("fp32"), weights="dense")
+        model = lean.attach(quantize_draft_q4(model))
+        prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))[:-1]
+        head = subset_head(model, model.config.vocab_size, TEXT_DRAFT.draft_vocab, special_ids(tokenizer) | set(prompt))
+        decoder = CausalLMDecoder(model, model.config.vocab_size, 1, head, kv_dtype=draft_kv_dtype(model))
     decoder.prefill([prompt])
     fed = decoder.fed(0)
     feed = prompt[-1:] + prompt[: max(args.tokens)]

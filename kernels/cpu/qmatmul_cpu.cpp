@@ -450,8 +450,8 @@ struct Lanes8 {
     static F zerof() { return _mm256_setzero_ps(); }
     static I load(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
     // The next tile's weights into L2, not L1: L2 keeps more misses in flight while the core computes, and its
-    // latency hides under a tile's work. The target's step on the 2-core Zen 4 (kernel_ab, 24–30 rounds each, three
-    // runs) at 1 / 4 / 8 tokens: 0.83–0.90 / 0.93–0.96 / 0.97–0.98× the L1 hint's; two tiles ahead lost at 8.
+    // latency hides under a tile's work. The target's step on the 2-core Zen 4 (kernel_ab, 24–30 rounds each, four
+    // runs) at 1 / 4 / 8 tokens: 0.83–0.91 / 0.93–0.96 / 0.96–0.98× the L1 hint's; two tiles ahead lost at 8.
     static void prefetch(const uint8_t* p, int64_t) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
     static I nibbles() { return _mm256_set1_epi8(15); }
     static I low(I v, I mask) { return _mm256_and_si256(v, mask); }

@@ -39,8 +39,9 @@ constexpr int64_t MANY_ROWS = 64, BLOCK_COLUMNS = 32;  // calls of at least MANY
 #ifdef SPECVIZ_HALF_AVX2
 // Weights ahead to prefetch (4 KB: a few rows of a Whisper layer): Whisper base's 49 decoder matrices streamed
 // from DRAM at one row 5.7 → 5.1 ms, at 6 rows 8.9 → 7.0 (1,024 gained less, 4,096 the same). Into L2, as the
-// 8-bit-activation tiles (qmatmul_cpu.cpp): a one-window and a two-window transcription, target-only, end to end
-// 0.88–0.95× the L1 hint's (2-core Zen 4, the two alternating in one process); speculative ones within 1%.
+// 8-bit-activation tiles (qmatmul_cpu.cpp): the 49 matrices and the head at 1 / 2 / 4 / 6 rows 0.71 / 0.79 / 0.84
+// / 0.94× the L1 hint's time; a transcription target-only 0.88–0.95× end to end (2-core Zen 4, alternating in one
+// process), speculative ones within 1%.
 constexpr int64_t PREFETCH = 2048;
 
 using specviz_math::lanes_sum;  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), as the portable path

@@ -19,6 +19,8 @@ from specviz import theory
 from specviz.theory import expected_tokens_by_position
 from specviz.config import SamplingConfig, SpecConfig
 from specviz.decoding.acceptance import RunningAcceptance
+from specviz.decoding import calibration
+from specviz.figures import report
 from specviz.decoding.calibration import CALIBRATION_TOKENS, CHECK_TOKENS, MAX_GAMMA, calibrate
 from specviz.decoding.cost import CostModel
 from specviz.decoding.expectation import best_gamma, break_even_alpha, expected_speedup, priced_speedups, speedups
@@ -296,6 +298,7 @@ def test_policy_without_measurements_keeps_its_gamma():
 
 def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "CHECK_INTERVAL_S", 0.0)  # every read spot checked, as in a new process
     calls = []
     per_token = [0.0005]  # the machine's shape: a target call sleeps 2 ms + per_token · M
 
@@ -358,6 +361,41 @@ def test_calibration_is_measured_once_and_then_read(tmp_path, monkeypatch):
     damaged = CostModel()
     calibrate(damaged, {"target": "t"}, 1, *steps)
     assert len(calls) > n and not damaged.calibrated_from_cache
+
+
+def test_a_curve_this_process_just_measured_or_checked_is_read_without_a_spot_check(tmp_path, monkeypatch):
+    """The spot check costs ~16 calls before every run; within CHECK_INTERVAL_S of this process measuring the curve,
+    or of a check that held, the file is read as it is. Later, or from a file this process has not checked, the
+    check runs again; a damaged file is measured again whatever the memo says."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    clock = [1000.0]
+    monkeypatch.setattr(calibration, "_clock", lambda: clock[0])
+    calls = []
+
+    def target(m: int) -> None:  # a shape the spot check can time: 2 ms + 0.5 ms a token
+        calls.append(("target", m))
+        time.sleep(0.002 + 0.0005 * m)
+
+    steps = (target, lambda: (calls.append(("draft",)), time.sleep(0.001)),
+             lambda: (calls.append(("plain",)), time.sleep(0.0025)))
+    calibrate(CostModel(), {"target": "memo"}, 1, *steps)  # measured: every point
+    assert {c[1] for c in calls if c[0] == "target"} == set(CALIBRATION_TOKENS)
+    n = len(calls)
+    read = CostModel()
+    calibrate(read, {"target": "memo"}, 1, *steps)  # just measured here: read, not one call
+    assert len(calls) == n and read.calibrated_from_cache and read.ready
+    clock[0] += calibration.CHECK_INTERVAL_S + 1  # later: spot checked again (and it holds: the same calls)
+    checked = CostModel()
+    calibrate(checked, {"target": "memo"}, 1, *steps)
+    assert {c[1] for c in calls[n:] if c[0] == "target"} == {1, CHECK_TOKENS} and checked.calibrated_from_cache
+    n = len(calls)
+    calibrate(CostModel(), {"target": "memo"}, 1, *steps)  # the check that held counts as a check
+    assert len(calls) == n
+    for f in (tmp_path / "costs").iterdir():
+        f.write_text("not json")
+    damaged = CostModel()
+    calibrate(damaged, {"target": "memo"}, 1, *steps)
+    assert {c[1] for c in calls[n:] if c[0] == "target"} == set(CALIBRATION_TOKENS) and not damaged.calibrated_from_cache
 
 
 @pytest.mark.parametrize("costs,message", [
@@ -432,14 +470,20 @@ def test_cost_policy_on_a_draft_costlier_than_its_target(tiny_pair, prompt_ids):
     assert costs.ready and costs.draft_s(1) > 0
     loaded = loads_trace(json.dumps(trace.to_dict()))
     assert loaded.meta["costs"] == trace.meta["costs"]
+    # the time the policy spent timing calls before decoding is said, beside the times it is left out of
+    took = trace.summary()["calibration_s"]
+    assert took == trace.meta["costs"]["calibration_s"] > 0 and loaded.summary()["calibration_s"] == took
+    assert "for the cost policy" in report.summary_markdown(trace)
+    assert "calibration_s" not in reference.summary()  # target-only times nothing beforehand
 
 
 def test_a_trace_with_a_malformed_cost_table_is_refused(tiny_pair, prompt_ids):
     trace = decode(tiny_pair, [prompt_ids], SpecConfig(gamma_policy="cost", max_new_tokens=6))
-    d = trace.to_dict()
-    d["meta"]["costs"]["target"] = [[1, 1, 1e300, 1]]
-    with pytest.raises(TraceFormatError, match="meta.costs"):
-        loads_trace(json.dumps(d))
+    for key, bad in (("target", [[1, 1, 1e300, 1]]), ("calibration_s", -1.0), ("calibration_s", "2 s")):
+        d = trace.to_dict()
+        d["meta"]["costs"][key] = bad
+        with pytest.raises(TraceFormatError, match="meta.costs"):
+            loads_trace(json.dumps(d))
 
 
 GOF_V = 48  # vocabulary of the goodness-of-fit pair: small enough to enumerate two tokens exactly

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,16 @@ CALIBRATION_VERSION = 4  # bump when what a calibration measures changes: older 
 CHECK_TOKENS = 4  # a cached curve's shape is checked here, at a plain step and a draft forward, against one token
 CHECK_TOLERANCE = 0.25
 MAX_GAMMA = CALIBRATION_TOKENS[-1] - 1  # beyond the calibrated curve a γ would be priced by extrapolation
+# A curve this process measured, or found to hold, this recently is taken as it is: the spot check costs ~16 calls
+# (~0.5 s before a text run on the 2-core Zen 4, off the run's clock but not off the visitor's), and a run's own
+# calls still scale the curve to the hour's level; what the check catches, a curve written in a busy spell, was
+# ruled out minutes ago.
+CHECK_INTERVAL_S = 600.0
+# curve file -> _clock() at its last measurement or spot check that held, in this process. The page's
+# sessions calibrate on threads of one process, so the dict is shared between them: guarded by _checked_lock.
+_checked: dict[Path, float] = {}
+_checked_lock = threading.Lock()
+_clock = time.monotonic  # the memo's clock (a test moves it)
 
 
 Step = Callable[[int], None]  # runs one call scoring M tokens per row (and undoes it)
@@ -76,19 +87,35 @@ def _shape_holds(cached: CostModel, batch: int, target_step: Step, plain_step: C
     return all(abs(timed[key] / timed[1] / ratio - 1) <= CHECK_TOLERANCE for key, ratio in expected.items())
 
 
+def _checked_lately(path: Path) -> bool:
+    with _checked_lock:
+        at = _checked.get(path)
+    return at is not None and _clock() - at < CHECK_INTERVAL_S
+
+
+def _mark_checked(path: Path) -> None:
+    with _checked_lock:
+        _checked[path] = _clock()
+
+
 def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, draft_step: Callable[[], None] | None,
               plain_step: Callable[[], None]) -> None:
     """Measure the target at CALIBRATION_TOKENS per row, a draft forward and a plain step for this batch size,
     or take them from the cache file of this machine, models and batch size where a spot check of its shape
-    agrees. Each step undoes itself."""
+    agrees (no check where this process measured or checked that file within CHECK_INTERVAL_S). Each step undoes
+    itself."""
     path = _cache_path({**identity, "batch": batch})
     t0 = time.perf_counter()
     cached = _read_cached(path)
     model = CostModel.from_dict(cached) if cached is not None else None
     if model is not None and not ((batch, 1) in model.curve and (batch, CHECK_TOKENS) in model.curve
-                                  and batch in model.curve_plain
-                                  and _shape_holds(model, batch, target_step, plain_step, draft_step)):
+                                  and batch in model.curve_plain):
         model = None
+    if model is not None and not _checked_lately(path):
+        if _shape_holds(model, batch, target_step, plain_step, draft_step):
+            _mark_checked(path)
+        else:
+            model = None
     if model is None:
         # every point in each round (see timed_rounds); the plain step beside the one-token forward it is priced against
         calls: dict[object, Callable[[], None]] = {1: lambda: target_step(1), "plain": plain_step}
@@ -104,6 +131,7 @@ def calibrate(costs: CostModel, identity: dict, batch: int, target_step: Step, d
         write_json(path, {"target": [[batch, m, costs.curve[(batch, m)], 0] for m in CALIBRATION_TOKENS],
                       "plain": [[batch, costs.curve_plain[batch], 0]],
                       "draft": [[batch, costs.curve_draft[batch], 0]] if batch in costs.curve_draft else []})
+        _mark_checked(path)
     else:
         costs.curve.update(model.curve)
         costs.curve_plain.update(model.curve_plain)

@@ -238,6 +238,10 @@ class CostModel:
                 raise ValueError(f"costs.{name} must be a number of seconds")
             if value > 0:
                 samples.append(float(value))
+        calibration_s = d.get("calibration_s", 0.0)  # what measuring these costs took, off the run's clock
+        if not _number(calibration_s) or not 0 <= calibration_s < 1e6:
+            raise ValueError("costs.calibration_s must be a number of seconds")
+        model.calibration_s = float(calibration_s)
         return model
 
 

@@ -205,6 +205,9 @@ def summary_markdown(trace: Trace) -> str:
                      "again exactly), not chosen by a policy.")
     if s.get("explain_s"):
         lines.append(f"Recording the distributions for “why?” took {s['explain_s']:.2f} s, left out of every time above.")
+    if s.get("calibration_s"):
+        lines.append(f"Timing this machine's calls for the cost policy (a first calibration, or a spot check of the "
+                     f"cached one) took {s['calibration_s']:.2f} s before decoding, left out of every time above.")
     # the cards as a block of their own, the sentences as the paragraph after them
     return glance_html(trace) + "\n\n" + "  \n".join(lines)
 

@@ -264,6 +264,8 @@ class Trace:
                        cost_ratio=self.cost_ratio())
         if explained := sum(s.explain_s for s in steps):
             out.update(explain_s=explained)
+        if (costs := self.costs) is not None and costs.calibration_s > 0:
+            out.update(calibration_s=costs.calibration_s)  # the cost policy's measuring, off the clock
         if (gap := self.sigmoid_gap()) is not None:
             out.update(sigmoid_gap=gap)
         if len(self.sequences) > 1:

@@ -111,6 +111,17 @@ template <int NT>
 void columns(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y, int64_t n0) {
     int64_t m = 0;
     const HalfRows rows{w + n0 * K, K};
+#ifdef __AVX512F__
+    // 8 rows at a time over 2 columns (16 accumulators in AVX-512's 32 registers): each weight widened once for
+    // 8 rows, where two 4 × 4 tiles widen it twice. Whisper's decoder matrices and head at 8 / 9 / 10 / 16 rows
+    // 0.89–0.91 / 0.93 / 0.91–0.92 / 0.92–0.95× the time (two runs, alternating in one process); 4 and 6 rows ±1%.
+    if constexpr (NT == 4) {
+        for (; m + 8 <= M; m += 8) {
+            tile<8, 2>(x, K, rows, N, bias, y, m, n0);
+            tile<8, 2>(x, K, HalfRows{w + (n0 + 2) * K, K}, N, bias, y, m, n0 + 2);
+        }
+    }
+#endif
     for (; m + ROWS <= M; m += ROWS) tile<ROWS, NT>(x, K, rows, N, bias, y, m, n0);
     if (m < M) rest_tile<ROWS, NT>(x, M - m, K, rows, N, bias, y, m, n0);
 }

@@ -309,7 +309,7 @@ inline void quantize_group(const float* v, float* d_out, float* sum_out, int8_t*
     *d_out = d;
     *sum_out = finite ? s : __builtin_nanf("");
     const __m256 scale = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-    auto code = [&](__m256 x) {  // round half to even, then clamp (a NaN input gives inv 0 and code 0)
+    auto code = [&](__m256 x) {  // round half to even, then clamp (a group with a NaN or an infinity: zeros, below)
         const __m256 r = _mm256_round_ps(_mm256_mul_ps(x, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     };

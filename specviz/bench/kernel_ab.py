@@ -59,29 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from specviz.config import TEXT_DRAFT
-    from specviz.decoding.drafts import special_ids, subset_head
-    from specviz.models import lean
-    from specviz.models.loading import load_model, parse_dtype
-    from specviz.models.quant import quantize_draft_q4
+    from specviz.models.loading import load_pair
     from specviz.paths import ASSETS
-    from specviz.text.prompts import max_prompt_tokens, summarization_prompt
-    from specviz.text.source import CausalLMDecoder, draft_kv_dtype
+    from specviz.runs.settings import Settings
+    from specviz.text.source import article_source
 
     variant = native.load_variant(args.variant)
     article = (args.article or ASSETS / "sample_article.txt").read_text()
-    if args.role == "target":
-        model, tokenizer, label = load_model("default", "target", device=torch.device("cpu"),
-                                             dtype=parse_dtype("fp32"), weights="packed-a8")
-        prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))[:-1]
-        decoder = CausalLMDecoder(model, model.config.vocab_size, 1, kv_dtype=torch.float32)
-    else:  # the draft a text run steps: 4-bit, its head reduced to the first ids, the specials and the prompt's
-        model, tokenizer, label = load_model("default", "draft", device=torch.device("cpu"),
-                                             dtype=parse_dtype("fp32"), weights="dense")
-        model = lean.attach(quantize_draft_q4(model))
-        prompt = summarization_prompt(tokenizer, article, max_prompt_tokens(32768, 128))[:-1]
-        head = subset_head(model, model.config.vocab_size, TEXT_DRAFT.draft_vocab, special_ids(tokenizer) | set(prompt))
-        decoder = CausalLMDecoder(model, model.config.vocab_size, 1, head, kv_dtype=draft_kv_dtype(model))
+    # the pair and the decoders a summarizing run builds (the draft: 4-bit, its reduced head, fp16 keys and values)
+    pair = load_pair(device="cpu")
+    source = article_source(pair, [("article", article)], Settings().spec("summarize"))
+    draft, target = source.decoders([0], True)
+    decoder, label = (target, pair.target_name) if args.role == "target" else (draft, pair.draft_name)
+    prompt = source.sequences[0].prompt_ids[:-1]
     decoder.prefill([prompt])
     fed = decoder.fed(0)
     feed = prompt[-1:] + prompt[: max(args.tokens)]

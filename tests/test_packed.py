@@ -276,6 +276,35 @@ def test_kernel_rows_are_bitwise_batch_invariant(kind, group, int8_activations):
         assert torch.equal(layer(x[:m]), first[:m]), f"a row differs when scored among {m} rows"
 
 
+@A8
+@pytest.mark.skipif(not cpu_kernels.available() or cpu_kernels.amx_min_rows() is None,
+                    reason="AMX tiles need an AMX-INT8 CPU (Sapphire Rapids or later) and a kernel that permits them")
+def test_amx_tiles_give_the_vnni_tiles_bits():
+    """Where the CPU has AMX, calls of many rows take its tiles (one TDPBSUD per group of 32 for 16 rows × 16
+    columns) instead of the VNNI tiles: the same exact integer sums and the same float step per output, so every
+    format, row count and column count (an odd last block of 8 goes through the VNNI tiles) gives the same bits."""
+    bias = torch.randn(37)
+    layers = {f"{kind} g{group}": PackedLinear(random_packed(kind, n, 512, seed=11, group=group), bias[:n] if n <= 37
+                                               else None, int8_activations=True)
+              for kind, group in KERNEL_CASES for n in (37, 32)}
+    layers |= {"q4 two-level": PackedLinear(two_level_packed("q4", 37, 512, seed=9), bias, int8_activations=True),
+               "q8 two-level": PackedLinear(two_level_packed("q8", 37, 512, seed=9), bias, int8_activations=True),
+               "q4 fp16": PackedLinear(q4_blocks(torch.randn(48, 512)), None, int8_activations=True)}
+    before = cpu_kernels.amx_min_rows()
+    try:
+        for name, layer in layers.items():
+            for m in (1, 2, 3, 8, 15, 16, 17, 33, 40):
+                x = torch.randn(m, 512) * 3
+                x[m // 2, 7] = 40.0  # one large activation: a group whose codes span the whole range
+                cpu_kernels.amx_min_rows(1)
+                tiles = layer(x)
+                cpu_kernels.amx_min_rows(0)
+                vnni = layer(x)
+                assert torch.equal(tiles, vnni), f"{name}, {m} rows: AMX and VNNI tiles differ"
+    finally:
+        cpu_kernels.amx_min_rows(before)
+
+
 def _cpu_flags() -> set[str]:
     try:
         info = open("/proc/cpuinfo").read()

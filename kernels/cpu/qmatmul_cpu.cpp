@@ -29,6 +29,11 @@
 #include <immintrin.h>
 #define SPECVIZ_AVX2 1
 #endif
+#if defined(__AMX_INT8__) && defined(__linux__)  // AMX: asking Linux for the tile state
+#include <atomic>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -661,6 +666,205 @@ void a8_matmul(int64_t M, int64_t N8, int nthreads, const Tile& tile) {
     }
 }
 
+#if defined(SPECVIZ_LANES16) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
+#define SPECVIZ_AMX 1
+// ---- AMX: a group's integer sums for 16 rows × 16 columns in one instruction ---------------------------------
+// Intel's tile unit (AMX-INT8, Sapphire Rapids and later) computes C[16, 16] int32 += A[16, 32] int8 · B[32, 16]
+// uint8 in one TDPBSUD: a group of 32 for 16 rows and 16 columns, where the VNNI tiles above issue 64 vpdpbusd.
+// The sums are the same exact integers and the float step after them is the VNNI tiles' sequence for every
+// (row, column) (Lanes16's: fmadd(float(sum), w_scale · x_scale, acc), then q4's minimum), so the two paths give the
+// same bits and a call may take either: batch invariance holds across them. What is left per group is that float
+// step and, for q4, spreading the nibbles into bytes (B's rows), once per column tile for all its rows.
+//
+// Tiles (TileConfig): q4 tmm0 = C [16 rows, 16 int32], tmm1 = A [16 rows, 32 codes], tmm2 = B [8 rows, 16 columns
+// × 4 elements]; q8 tmm0 / tmm1 = C for each block of 8 columns [16, 8 int32], tmm2 = A [16, GROUP codes], tmm3 /
+// tmm4 = B for each block [GROUP / 4 rows, 8 columns × 4], read in place: the interleaved layout's chunks (4 elements
+// of 8 columns) are B's rows. A always has 16 rows: the codes are padded with rows of zeros.
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};  // bytes per row of tmm0 … tmm7
+    uint8_t rows[16] = {};
+    TileConfig& set(int t, int r, int bytes) {
+        rows[t] = static_cast<uint8_t>(r);
+        colsb[t] = static_cast<uint16_t>(bytes);
+        return *this;
+    }
+};
+
+constexpr int64_t AMX_ROWS = 16;
+
+// A and C tiles hold a call's rows, up to 16 (a tile op's and a store's time grow with its rows)
+inline int64_t amx_tile_rows(int64_t M) { return M < AMX_ROWS ? M : AMX_ROWS; }
+
+// Linux gives a process AMX's 8 KB of tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA),
+// once for all its threads; where the kernel or a hypervisor refuses, the VNNI tiles run.
+bool amx_permitted() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok;
+}
+
+// q4 calls from 16 rows take AMX, q8 calls from 32: measured on the 2-core Xeon (an 8960 × 1536 matrix, the two
+// paths alternating), AMX over VNNI at 1 / 8 / 12 / 16 / 24 / 64 / 256 rows: q4 1.34 / 1.12 / 0.93 / 0.85 / 0.86 /
+// 0.73 / 0.72×, q8 (groups of 32) 1.45 / 1.36 / 1.06 / 1.00 / 1.03 / 0.78 / 0.73×, q8 (groups of 16, two float steps
+// a group of 32) 1.29 / 0.98 / 1.07 / 0.97 / 0.92× at 8 / 16 / 24 / 32 / 64. Below that its tile ops (a product
+// ~3 ns, a store ~5, whatever the rows) cost more than the vpdpbusd they replace (docs/benchmarks.md).
+constexpr int64_t AMX_MIN_ROWS = 16;
+
+// q4 calls of at least this many rows take AMX, q8 calls of twice as many; 0: none. Atomic because the page's
+// sessions call the kernels from several threads; written only by tests and benchmarks (specviz_amx_min_rows) to
+// compare the two paths.
+std::atomic<int64_t> amx_min_rows{AMX_MIN_ROWS};
+
+inline bool use_amx(int64_t M, bool q4) {
+    const int64_t least = amx_min_rows.load(std::memory_order_relaxed);
+    return least > 0 && M >= (q4 ? least : 2 * least) && amx_permitted();
+}
+
+// One group's float step for a row tile: acc[m] for rows m0 + m < m0 + rows, from C's sums [16 rows, 16 int32].
+// q8: `start` [rows] is each row's unsigned offset (the VNNI tiles' start), added to the sums first.
+template <bool Q4>
+inline void amx_float_step(__m512* acc, const int32_t* sums, const int32_t* start, int rows, int64_t m0,
+                           int64_t d_index, int64_t sum_index, int64_t G32, const Act& a, __m512 sw, __m512 mw) {
+#pragma GCC unroll 16
+    for (int m = 0; m < AMX_ROWS; ++m) {
+        if (m >= rows) break;
+        __m512i s = _mm512_load_si512(sums + 16 * m);
+        if (!Q4) s = _mm512_add_epi32(_mm512_set1_epi32(start[m]), s);
+        const int64_t r = m0 + m;
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sw, _mm512_set1_ps(a.d[r * G32 + d_index])), acc[m]);
+        if (Q4) acc[m] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a.sum[r * G32 + sum_index]), acc[m]);
+    }
+}
+
+// Measured on one core of the 2-core Xeon (a microbenchmark, operands in L1): a TDPBSUD takes ~3 ns at up to 8 rows
+// and ~5 at 16, a tile store ~5 ns at any rows, and a tile load of bytes that vector stores have just written waits
+// for them to reach L1. Tile registers are not renamed, so one group's load → product → store → float step would be
+// a chain. Hence: B's rows are staged (unpacked or copied into rows of 16 columns) two batches of groups ahead of
+// their products; groups go 4 at a time into 4 result tiles; and the next batch's products are issued before this
+// batch's float steps, which read its sums from memory while the tile unit works on.
+
+// This thread's staging buffer for B's rows (64-aligned, at least `bytes`), kept between calls: a fresh 140 KB per
+// call would be fresh pages. thread_local, read on the thread that runs the column tile.
+inline uint8_t* amx_staging(int64_t bytes) {
+    thread_local std::vector<uint8_t> buffer;
+    if (buffer.size() < static_cast<size_t>(bytes + 64)) buffer.resize(bytes + 64);
+    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~static_cast<uintptr_t>(63));
+}
+
+// Tile numbers are immediates in the instructions (gcc's intrinsics paste them into the assembly), hence a macro.
+#define SPECVIZ_AMX_PRODUCT(c, a_tile, b_tile, g)                         \
+    do {                                                                  \
+        _tile_loadd(b_tile, staged + (g) * B_BYTES, 64);                  \
+        _tile_loadd(a_tile, codes + (g) * GROUP, K);                      \
+        _tile_zero(c);                                                    \
+        _tile_dpbsud(c, a_tile, b_tile);                                  \
+    } while (0)
+
+// Columns 8·b … 8·b + 15 (blocks b and b + 1) for all M rows: q4 (GROUP 32) or q8 (GROUP 16 or 32). Tiles
+// (amx_config): C tmm0-3 [R rows, 16 int32], A tmm4-5 [R rows, GROUP codes], B tmm6-7 [GROUP / 4 rows, 16 columns
+// × 4 elements]; R = amx_tile_rows(M), the codes padded to a multiple of R rows with zeros.
+template <bool Q4, int GROUP, typename Scales>
+void amx_columns(const uint8_t* q, const Scales& scales, int64_t K, const Act& a, int64_t M, int64_t b,
+                 const A8Out& out) {
+    constexpr int BATCH = 4;
+    constexpr int64_t B_BYTES = GROUP * 16;  // a group's B: GROUP / 4 rows of 64 bytes
+    const int64_t G = K / GROUP, G32 = K / 32, stride = Q4 ? K * 4 : K * 8;  // stride: a block's bytes
+    const uint8_t* w = q + b * stride;
+    uint8_t* staged = amx_staging(G * B_BYTES);
+    // groups [g0, g1)'s B rows: q4 chunk j (8 elements of 8 columns a block) gives row 2j (its low nibbles) and 2j + 1
+    // (its high ones), q8 chunk j (4 elements) row j; the next column tile's weights are asked for into L2 meanwhile
+    auto stage = [&](int64_t g0, int64_t g1) {
+        const int64_t per_group = Q4 ? 4 : GROUP / 4;  // chunks of 32 bytes a block
+        for (int64_t j = g0 * per_group; j < g1 * per_group; ++j) {
+            if (j % 2 == 0) Lanes16::prefetch(w + 2 * stride + j * 32, stride);
+            const __m512i v = Lanes16::load(w + j * 32, stride);
+            if (Q4) {
+                const __m512i nibble = Lanes16::nibbles();
+                _mm512_store_si512(staged + j * 128, Lanes16::low(v, nibble));
+                _mm512_store_si512(staged + j * 128 + 64, Lanes16::high(v, nibble));
+            } else {
+                _mm512_store_si512(staged + j * 64, v);
+            }
+        }
+    };
+    alignas(64) int32_t sums[2][BATCH][AMX_ROWS * 16];  // two batches' C: one read while the next is computed
+    int32_t start[AMX_ROWS] = {};
+    const int64_t R = amx_tile_rows(M);
+    for (int64_t m0 = 0; m0 < M; m0 += R) {  // B is staged by the first row tile for all
+        const int rows = static_cast<int>(M - m0 < R ? M - m0 : R);
+        const int8_t* codes = a.q.data() + m0 * K;
+        __m512 acc[AMX_ROWS];
+        for (int m = 0; m < AMX_ROWS; ++m) acc[m] = _mm512_setzero_ps();
+        auto products = [&](int64_t g0, int32_t (*to)[AMX_ROWS * 16]) {  // groups g0 … (up to 4) into `to`
+            const int64_t n = G - g0 < BATCH ? G - g0 : BATCH;
+            SPECVIZ_AMX_PRODUCT(0, 4, 6, g0);
+            if (n > 1) SPECVIZ_AMX_PRODUCT(1, 5, 7, g0 + 1);
+            if (n > 2) SPECVIZ_AMX_PRODUCT(2, 4, 6, g0 + 2);
+            if (n > 3) SPECVIZ_AMX_PRODUCT(3, 5, 7, g0 + 3);
+            _tile_stored(0, to[0], 64);
+            if (n > 1) _tile_stored(1, to[1], 64);
+            if (n > 2) _tile_stored(2, to[2], 64);
+            if (n > 3) _tile_stored(3, to[3], 64);
+        };
+        if (m0 == 0) stage(0, G < 2 * BATCH ? G : 2 * BATCH);
+        products(0, sums[0]);
+        for (int64_t g0 = 0, k = 0; g0 < G; g0 += BATCH, ++k) {
+            if (m0 == 0 && g0 + 2 * BATCH < G) stage(g0 + 2 * BATCH, G < g0 + 3 * BATCH ? G : g0 + 3 * BATCH);
+            if (g0 + BATCH < G) products(g0 + BATCH, sums[(k + 1) % 2]);
+            for (int64_t g = g0; g < g0 + BATCH && g < G; ++g) {
+                if (!Q4)
+                    for (int m = 0; m < rows; ++m) {  // the unsigned offset: the VNNI tiles' start
+                        const int32_t* halves = a.csum.data() + (m0 + m) * (K / 16) + g * (GROUP / 16);
+                        start[m] = -q8_offset(GROUP == 16 ? halves[0] : halves[0] + halves[1]);
+                    }
+                const __m512 sw = Lanes16::per_block([&](int64_t blk) { return scales.s(blk, g); }, b);
+                __m512 mw = sw;
+                if constexpr (Q4) mw = Lanes16::per_block([&](int64_t blk) { return scales.m(blk, g); }, b);
+                amx_float_step<Q4>(acc, sums[k % 2][g - g0], start, rows, m0, g * GROUP / 32, g, G32, a, sw, mw);
+            }
+        }
+        // constant indices only (unrolled, guarded), so that acc stays in registers across the tile instructions (whose
+        // asm clobbers memory: an array indexed at run time would be stored and reloaded around each of them)
+#pragma GCC unroll 16
+        for (int m = 0; m < AMX_ROWS; ++m)
+            if (m < rows) Lanes16::store(out, m0 + m, b, acc[m]);
+    }
+}
+#undef SPECVIZ_AMX_PRODUCT
+
+// The tiles' shapes for a call of M rows (amx_columns)
+inline TileConfig amx_config(int64_t M, int group) {
+    const int R = static_cast<int>(amx_tile_rows(M));
+    TileConfig config;
+    for (int c = 0; c < 4; ++c) config.set(c, R, 64);
+    return config.set(4, R, group).set(5, R, group).set(6, group / 4, 64).set(7, group / 4, 64);
+}
+
+// Threads split the column tiles (pairs of blocks); an odd last block goes through the VNNI tiles (`tile`, as
+// a8_matmul's), the same bits. `columns(b)` computes blocks b, b + 1 for every row.
+template <int MT, typename Columns, typename Tile>
+void amx_matmul(int64_t M, int64_t N8, int nthreads, const TileConfig& config, const Columns& columns, const Tile& tile) {
+    using std::integral_constant;
+#pragma omp parallel num_threads(nthreads)
+    {
+        _tile_loadconfig(&config);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < N8 - 1; b += 2) columns(b);
+        _tile_release();
+        if (N8 % 2) {
+#pragma omp single
+            {
+                int64_t m = 0;
+                for (; m + MT <= M; m += MT) tile(integral_constant<int, MT>{}, integral_constant<int, 1>{}, m, N8 - 1);
+                if (m < M) a8_rest<MT, 1>(tile, static_cast<int>(M - m), m, N8 - 1, 1);
+            }
+        }
+    }
+}
+#endif
+
 template <int GROUP, typename Scales>
 void q8a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const Scales& scales, int64_t N, const float* bias,
           float* y, int nthreads) {
@@ -672,6 +876,15 @@ void q8a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const Scales& 
             q8a8_tile<rows.value, vectors.value, GROUP, decltype(lanes)>(q, scales, K, a, m, b, out);
         });
     };
+#ifdef SPECVIZ_AMX
+    if (use_amx(M, false)) {
+        const int64_t R = amx_tile_rows(M);
+        a.q.resize((M + R - 1) / R * R * K, 0);  // A's rows past M: zero codes
+        return amx_matmul<A8_MANY.rows>(M, (N + 7) / 8, nthreads, amx_config(M, GROUP), [&](int64_t b) {
+            amx_columns<false, GROUP>(q, scales, K, a, M, b, out);
+        }, tile);
+    }
+#endif
     if (M <= A8_FEW_ROWS) a8_matmul<Q8_FEW.rows, Q8_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
     else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
 }
@@ -687,6 +900,15 @@ void q4a8(const float* x, int64_t M, int64_t K, const uint8_t* q, const Scales& 
             q4a8_tile<rows.value, vectors.value, decltype(lanes)>(q, scales, K, a, m, b, out);
         });
     };
+#ifdef SPECVIZ_AMX
+    if (use_amx(M, true)) {
+        const int64_t R = amx_tile_rows(M);
+        a.q.resize((M + R - 1) / R * R * K, 0);
+        return amx_matmul<A8_MANY.rows>(M, (N + 7) / 8, nthreads, amx_config(M, 32), [&](int64_t b) {
+            amx_columns<true, 32>(q, scales, K, a, M, b, out);
+        }, tile);
+    }
+#endif
     if (M <= A8_FEW_ROWS) a8_matmul<Q4_FEW.rows, Q4_FEW.blocks>(M, (N + 7) / 8, nthreads, tile);
     else a8_matmul<A8_MANY.rows, A8_MANY.blocks>(M, (N + 7) / 8, nthreads, tile);
 }
@@ -764,6 +986,9 @@ double specviz_int8_peak(int64_t iters, int nthreads) {
 
 // The instructions the 8-bit-activation kernels were built with (they compute the same bits either way).
 const char* specviz_isa() {
+#if defined(SPECVIZ_AMX)
+    if (amx_permitted()) return "avx512-vnni+amx";
+#endif
 #if defined(SPECVIZ_VNNI) && defined(__AVX512F__)
     return "avx512-vnni";
 #elif defined(SPECVIZ_VNNI)
@@ -772,6 +997,18 @@ const char* specviz_isa() {
     return "avx2";
 #else
     return "portable";
+#endif
+}
+
+// The fewest rows a q4 call needs to take AMX (q8: twice as many; where built and permitted; 0: never): sets it where
+// `rows` >= 0 and returns the value before, or -1 where this build or process has no AMX. For tests and benchmarks.
+int64_t specviz_amx_min_rows(int64_t rows) {
+#ifdef SPECVIZ_AMX
+    if (!amx_permitted()) return -1;
+    return rows >= 0 ? amx_min_rows.exchange(rows) : amx_min_rows.load();
+#else
+    (void)rows;
+    return -1;
 #endif
 }
 

@@ -28,8 +28,19 @@ def vectorized() -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernels were built for here: avx512-vnni, avx-vnni, avx2 or portable."""
+    """The instruction set the 8-bit-activation kernels run here: avx512-vnni+amx, avx512-vnni, avx-vnni, avx2 or
+    portable."""
     return library().specviz_isa().decode()
+
+
+def amx_min_rows(rows: int | None = None) -> int | None:
+    """The fewest rows a q4 8-bit-activation call needs to take AMX's tiles (q8: twice as many; 0: never); with `rows`, set it and return
+    the value before. None where this machine, build or process has no AMX (the VNNI tiles then run every call;
+    both give the same bits)."""
+    if not has_int8_activations():
+        return None
+    before = library().specviz_amx_min_rows(-1 if rows is None else rows)
+    return None if before < 0 else before
 
 
 def has_int8_activations() -> bool:

@@ -143,6 +143,8 @@ def _load(sources: list[Path] | None = None, digest: str | None = None) -> ctype
     if lib.specviz_has_a8():
         lib.specviz_int8_peak.argtypes = [i64, cint]
         lib.specviz_int8_peak.restype = ctypes.c_double
+        lib.specviz_amx_min_rows.argtypes = [i64]
+        lib.specviz_amx_min_rows.restype = i64
         lib.specviz_q4a8_matmul.argtypes = lib.specviz_q4_matmul.argtypes
         lib.specviz_q8a8_matmul.argtypes = lib.specviz_q8_matmul.argtypes
         lib.specviz_q4a8_half_matmul.argtypes = lib.specviz_q4_matmul.argtypes

@@ -46,9 +46,9 @@ inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 // accumulators, which AVX-512's 32 registers hold;
 // AVX2's 16 would spill, so one head at a time there.
 #ifdef __AVX512F__
-constexpr int HEADS_PER_PASS = 3;
+constexpr int HEADS_PER_PASS = 3, SCORE_HEADS_PER_PASS = 6;
 #else
-constexpr int HEADS_PER_PASS = 1;
+constexpr int HEADS_PER_PASS = 1, SCORE_HEADS_PER_PASS = 1;
 #endif
 
 // Reading ahead. A pass over keys (or values) that come from memory stalled on it: the target's 28 layers over 835
@@ -74,10 +74,50 @@ inline Ahead ahead_for(const KV* base, const int32_t* keys, int64_t n, int64_t D
 
 // scores s[h][t] = scale · q[h] · k[keys[t]] for HP heads, t < n (keys 8 at a time: eight independent chains of
 // FMAs, their reductions side by side in lanes_sum's pairing; the rest one by one with lanes_sum)
+#ifdef __AVX512F__
+// Two rows' 8 elements in one 512-bit vector (keys t and u, or 16 elements of one row for the values): the lanes
+// hold the same numbers as two 256-bit loads.
+inline __m512 load8x2(const float* lo, const float* hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(lo)), _mm256_loadu_ps(hi), 1);
+}
+inline __m512 load8x2(const uint16_t* lo, const uint16_t* hi) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
+                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#endif
+
 template <int HP, typename KV>
 void scores(const float* const* q, const KV* kbase, const int32_t* keys, int64_t n, int64_t D, float scale,
             float* const* s, Ahead ahead) {
     int64_t t = 0;
+#ifdef __AVX512F__
+    // 512-bit: keys 2p and 2p + 1 of a block side by side, each half the 256-bit path's chain of FMAs over d (the
+    // same bits), half the instructions; on cores with two 512-bit FMA units, twice the multiply-adds a cycle
+    for (; t + 8 <= n; t += 8) {
+        __m512 a[HP][4];
+        for (int h = 0; h < HP; ++h)
+            for (int c = 0; c < 4; ++c) a[h][c] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            ahead.lines(sizeof(KV));
+            __m512 x[HP];
+            for (int h = 0; h < HP; ++h) x[h] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[h] + d));
+            for (int c = 0; c < 4; ++c) {
+                const __m512 kv = load8x2(kbase + keys[t + 2 * c] * D + d, kbase + keys[t + 2 * c + 1] * D + d);
+                for (int h = 0; h < HP; ++h) a[h][c] = _mm512_fmadd_ps(x[h], kv, a[h][c]);
+            }
+        }
+        for (int h = 0; h < HP; ++h) {
+            __m256 v[8];
+            for (int c = 0; c < 4; ++c) {
+                v[2 * c] = _mm512_castps512_ps256(a[h][c]);
+                v[2 * c + 1] = _mm512_extractf32x8_ps(a[h][c], 1);
+            }
+            _mm256_storeu_ps(s[h] + t, _mm256_mul_ps(lanes_sum8(v), _mm256_set1_ps(scale)));
+        }
+    }
+#endif
     for (; t + 8 <= n; t += 8) {
         __m256 a[HP][8];
         for (int h = 0; h < HP; ++h)
@@ -108,10 +148,31 @@ void scores(const float* const* q, const KV* kbase, const int32_t* keys, int64_t
 float softmax_weights(float* s, int64_t n) {
     const int64_t padded = (n + 7) / 8 * 8;
     float m = s[0];
-    for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
+    int64_t t0 = 1;
+#ifdef __AVX512F__
+    // 16 at a time: max(x, m) returns m where x is NaN, as the scalar fold below skips a NaN score; the maximum of
+    // finite numbers is the same in any order
+    if (n >= 32) {
+        __m512 mv = _mm512_set1_ps(m);
+        for (; t0 + 16 <= n; t0 += 16) mv = _mm512_max_ps(_mm512_loadu_ps(s + t0), mv);
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, mv);
+        for (int l = 0; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
+    }
+#endif
+    for (int64_t t = t0; t < n; ++t) m = s[t] > m ? s[t] : m;
     for (int64_t t = n; t < padded; ++t) s[t] = m;  // padding lanes: exp(0), masked out of the sum below
     __m256 total = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 8) {
+    int64_t start = 0;
+#ifdef __AVX512F__
+    // 16 at a time, the two halves added to the 8-lane total in turn: the 8-wide loop's order, so its bits
+    for (; start + 16 <= n; start += 16) {
+        const __m512 e = specviz_math::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + start), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(s + start, e);
+        total = _mm256_add_ps(_mm256_add_ps(total, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+    }
+#endif
+    for (int64_t t = start; t < padded; t += 8) {
         __m256 e = specviz_math::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m)));
         if (t + 8 > n) {
             alignas(32) int32_t keep[8];
@@ -132,6 +193,31 @@ void weighted_values(const float* const* s, const KV* vbase, const int32_t* keys
                      int64_t D, float* const* acc_out, Ahead ahead) {
     const int row_lines = static_cast<int>((D * static_cast<int64_t>(sizeof(KV)) + 63) / 64);
     int64_t d0 = 0;
+#ifdef __AVX512F__
+    // 512-bit: 16 output elements a vector, each the 256-bit path's chain over t (the same bits); 128 elements a
+    // pass, then 64
+    auto pass = [&](auto width) {
+        constexpr int C = decltype(width)::value;  // vectors of 16
+        __m512 acc[HP][C];
+        for (int h = 0; h < HP; ++h)
+            for (int c = 0; c < C; ++c) acc[h][c] = _mm512_loadu_ps(acc_out[h] + d0 + 16 * c);
+        for (int64_t t = t0; t < t1; ++t) {
+            if (d0 == 0) ahead.lines(row_lines);
+            __m512 w[HP];
+            for (int h = 0; h < HP; ++h) w[h] = _mm512_set1_ps(s[h][t]);
+            const KV* vj = vbase + keys[t] * D + d0;
+            for (int c = 0; c < C; ++c) {
+                const __m512 vv = load16(vj + 16 * c);
+                for (int h = 0; h < HP; ++h) acc[h][c] = _mm512_fmadd_ps(w[h], vv, acc[h][c]);
+            }
+        }
+        for (int h = 0; h < HP; ++h)
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_out[h] + d0 + 16 * c, acc[h][c]);
+        d0 += 16 * C;
+    };
+    while (d0 + 128 <= D) pass(std::integral_constant<int, 8>{});
+    while (d0 + 64 <= D) pass(std::integral_constant<int, 4>{});
+#endif
     for (; d0 + 64 <= D; d0 += 64) {
         __m256 acc[HP][8];
         for (int h = 0; h < HP; ++h)
@@ -196,7 +282,7 @@ void attend(Queries& Q, int64_t shared, const KV* kbase, const KV* vbase, int64_
     // scores: the shared keys chunk by chunk for every query, then each query's own
     for (int64_t c0 = 0; c0 < shared; c0 += CHUNK) {
         const int64_t len = shared - c0 < CHUNK ? shared - c0 : CHUNK;
-        by_groups<HEADS_PER_PASS>(Q.nq, [&](auto hp, int g) {
+        by_groups<SCORE_HEADS_PER_PASS>(Q.nq, [&](auto hp, int g) {
             constexpr int HP = decltype(hp)::value;
             float* sp[HP];
             for (int h = 0; h < HP; ++h) sp[h] = Q.s[g + h] + c0;

@@ -627,7 +627,12 @@ inline void by_width(const Run& run) {
 // block throughout (8 rows 0.82 ms, against 1.01 for 2 × 2 and 0.86 for 3 × 1).
 struct TileShape { int rows, blocks; };
 constexpr int A8_FEW_ROWS = 4;  // calls with at most this many rows use the _FEW shapes
-#ifdef SPECVIZ_LANES16
+#if defined(SPECVIZ_LANES16) && defined(__AMX_TILE__)
+// Intel's server cores (AMX marks them; two 512-bit FMA units where Zen 4 splits a 512-bit operation in two): q4
+// over two blocks at any rows. The target's step on the 2-core Xeon (kernel_ab, 16 rounds) at 1 / 2 / 3 / 4 tokens:
+// 1.01 / 0.95 / 0.96 / 0.93× one block's; on the Zen 4, 0.98 / 1.06 / 1.02× at 1 / 2 / 4 (docs/benchmarks.md).
+constexpr TileShape Q4_FEW{4, 2}, Q8_FEW{4, 2}, A8_MANY{8, 2};
+#elif defined(SPECVIZ_LANES16)
 constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 2}, A8_MANY{8, 2};
 #elif defined(__AVX512F__)  // 32 registers, 256-bit tiles (AVX-512 without VNNI): the shapes measured before Lanes16
 constexpr TileShape Q4_FEW{4, 1}, Q8_FEW{4, 2}, A8_MANY{6, 2};

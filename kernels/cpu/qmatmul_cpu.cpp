@@ -679,12 +679,8 @@ void a8_matmul(int64_t M, int64_t N8, int nthreads, const Tile& tile) {
 // The sums are the same exact integers and the float step after them is the VNNI tiles' sequence for every
 // (row, column) (Lanes16's: fmadd(float(sum), w_scale · x_scale, acc), then q4's minimum), so the two paths give the
 // same bits and a call may take either: batch invariance holds across them. What is left per group is that float
-// step and, for q4, spreading the nibbles into bytes (B's rows), once per column tile for all its rows.
-//
-// Tiles (TileConfig): q4 tmm0 = C [16 rows, 16 int32], tmm1 = A [16 rows, 32 codes], tmm2 = B [8 rows, 16 columns
-// × 4 elements]; q8 tmm0 / tmm1 = C for each block of 8 columns [16, 8 int32], tmm2 = A [16, GROUP codes], tmm3 /
-// tmm4 = B for each block [GROUP / 4 rows, 8 columns × 4], read in place: the interleaved layout's chunks (4 elements
-// of 8 columns) are B's rows. A always has 16 rows: the codes are padded with rows of zeros.
+// step and B's rows of 16 columns (q4: its nibbles spread into bytes; q8: two blocks' chunks side by side), staged
+// once per column tile for all its rows (amx_columns).
 
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0;
@@ -744,9 +740,9 @@ inline void amx_float_step(__m512* acc, const int32_t* sums, const int32_t* star
 }
 
 // Measured on one core of the 2-core Xeon (a microbenchmark, operands in L1): a TDPBSUD takes ~3 ns at up to 8 rows
-// and ~5 at 16, a tile store ~5 ns at any rows, and a tile load of bytes that vector stores have just written waits
-// for them to reach L1. Tile registers are not renamed, so one group's load → product → store → float step would be
-// a chain. Hence: B's rows are staged (unpacked or copied into rows of 16 columns) two batches of groups ahead of
+// and ~5 at 16, a tile store ~5 ns at any rows; in a profile, a tile load of bytes that vector stores had just
+// written stalled. Tile registers are not renamed, so one group's load → product → store → float step would be a
+// chain. Hence: B's rows are staged (unpacked or copied into rows of 16 columns) two batches of groups ahead of
 // their products; groups go 4 at a time into 4 result tiles; and the next batch's products are issued before this
 // batch's float steps, which read its sums from memory while the tile unit works on.
 

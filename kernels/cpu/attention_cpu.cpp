@@ -45,10 +45,19 @@ inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 // 2.10 ms, 3 rows 4.74 / 3.89 / 3.80, 8 rows 12.3 / 9.5 / 9.1 (docs/history.md). Three heads need 24
 // accumulators, which AVX-512's 32 registers hold;
 // AVX2's 16 would spill, so one head at a time there.
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // the 512-bit passes below (DQ: 256-bit halves in and out)
+#define SPECVIZ_ATTENTION_512 1
+#endif
 #ifdef __AVX512F__
-constexpr int HEADS_PER_PASS = 3, SCORE_HEADS_PER_PASS = 6;
+constexpr int HEADS_PER_PASS = 3;
 #else
-constexpr int HEADS_PER_PASS = 1, SCORE_HEADS_PER_PASS = 1;
+constexpr int HEADS_PER_PASS = 1;
+#endif
+// The scores' 512-bit pass keeps 4 vectors a head (two keys each): six heads' 24 accumulators fit.
+#ifdef SPECVIZ_ATTENTION_512
+constexpr int SCORE_HEADS_PER_PASS = 6;
+#else
+constexpr int SCORE_HEADS_PER_PASS = HEADS_PER_PASS;
 #endif
 
 // Reading ahead. A pass over keys (or values) that come from memory stalled on it: the target's 28 layers over 835
@@ -74,7 +83,7 @@ inline Ahead ahead_for(const KV* base, const int32_t* keys, int64_t n, int64_t D
 
 // scores s[h][t] = scale · q[h] · k[keys[t]] for HP heads, t < n (keys 8 at a time: eight independent chains of
 // FMAs, their reductions side by side in lanes_sum's pairing; the rest one by one with lanes_sum)
-#ifdef __AVX512F__
+#ifdef SPECVIZ_ATTENTION_512
 // Two rows' 8 elements in one 512-bit vector (keys t and u, or 16 elements of one row for the values): the lanes
 // hold the same numbers as two 256-bit loads.
 inline __m512 load8x2(const float* lo, const float* hi) {
@@ -92,7 +101,7 @@ template <int HP, typename KV>
 void scores(const float* const* q, const KV* kbase, const int32_t* keys, int64_t n, int64_t D, float scale,
             float* const* s, Ahead ahead) {
     int64_t t = 0;
-#ifdef __AVX512F__
+#ifdef SPECVIZ_ATTENTION_512
     // 512-bit: keys 2p and 2p + 1 of a block side by side, each half the 256-bit path's chain of FMAs over d (the
     // same bits), half the instructions; on cores with two 512-bit FMA units, twice the multiply-adds a cycle
     for (; t + 8 <= n; t += 8) {
@@ -149,7 +158,7 @@ float softmax_weights(float* s, int64_t n) {
     const int64_t padded = (n + 7) / 8 * 8;
     float m = s[0];
     int64_t t0 = 1;
-#ifdef __AVX512F__
+#ifdef SPECVIZ_ATTENTION_512
     // 16 at a time: max(x, m) returns m where x is NaN, as the scalar fold below skips a NaN score; the maximum of
     // finite numbers is the same in any order
     if (n >= 32) {
@@ -164,7 +173,7 @@ float softmax_weights(float* s, int64_t n) {
     for (int64_t t = n; t < padded; ++t) s[t] = m;  // padding lanes: exp(0), masked out of the sum below
     __m256 total = _mm256_setzero_ps();
     int64_t start = 0;
-#ifdef __AVX512F__
+#ifdef SPECVIZ_ATTENTION_512
     // 16 at a time, the two halves added to the 8-lane total in turn: the 8-wide loop's order, so its bits
     for (; start + 16 <= n; start += 16) {
         const __m512 e = specviz_math::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + start), _mm512_set1_ps(m)));
@@ -193,7 +202,7 @@ void weighted_values(const float* const* s, const KV* vbase, const int32_t* keys
                      int64_t D, float* const* acc_out, Ahead ahead) {
     const int row_lines = static_cast<int>((D * static_cast<int64_t>(sizeof(KV)) + 63) / 64);
     int64_t d0 = 0;
-#ifdef __AVX512F__
+#ifdef SPECVIZ_ATTENTION_512
     // 512-bit: 16 output elements a vector, each the 256-bit path's chain over t (the same bits); 128 elements a
     // pass, then 64
     auto pass = [&](auto width) {

@@ -29,10 +29,9 @@
 #include <immintrin.h>
 #define SPECVIZ_AVX2 1
 #endif
-#if defined(__AMX_INT8__) && defined(__linux__)  // AMX: asking Linux for the tile state
+#if defined(__AMX_INT8__) && defined(__linux__)
 #include <atomic>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 namespace {
@@ -682,29 +681,15 @@ void a8_matmul(int64_t M, int64_t N8, int nthreads, const Tile& tile) {
 // step and B's rows of 16 columns (q4: its nibbles spread into bytes; q8: two blocks' chunks side by side), staged
 // once per column tile for all its rows (amx_columns).
 
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};  // bytes per row of tmm0 … tmm7
-    uint8_t rows[16] = {};
-    TileConfig& set(int t, int r, int bytes) {
-        rows[t] = static_cast<uint8_t>(r);
-        colsb[t] = static_cast<uint16_t>(bytes);
-        return *this;
-    }
-};
+using specviz_amx::TileConfig;
 
 constexpr int64_t AMX_ROWS = 16;
 
 // A and C tiles hold a call's rows, up to 16 (a tile op's and a store's time grow with its rows)
 inline int64_t amx_tile_rows(int64_t M) { return M < AMX_ROWS ? M : AMX_ROWS; }
 
-// Linux gives a process AMX's 8 KB of tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA),
-// once for all its threads; where the kernel or a hypervisor refuses, the VNNI tiles run.
-bool amx_permitted() {
-    static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return ok;
-}
+// where Linux refuses the tile state (amx.h), the VNNI tiles run
+inline bool amx_permitted() { return specviz_amx::permitted(); }
 
 // q4 calls from 16 rows take AMX, q8 calls from 32: measured on the 2-core Xeon (an 8960 × 1536 matrix, the two
 // paths alternating), AMX over VNNI at 1 / 8 / 12 / 16 / 24 / 64 / 256 rows: q4 1.34 / 1.12 / 0.93 / 0.85 / 0.86 /

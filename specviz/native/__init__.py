@@ -29,7 +29,7 @@ from specviz.paths import KERNELS
 
 SOURCES = [KERNELS / "cpu" / name for name in ("qmatmul_cpu.cpp", "half_matmul_cpu.cpp", "attention_cpu.cpp",
                                                "encoder_attention_cpu.cpp", "decoder_cpu.cpp", "verify_cpu.cpp")]
-HEADERS = [KERNELS / "cpu" / "vector_math.h"]  # included by the sources: part of what a build is keyed by
+HEADERS = [KERNELS / "cpu" / name for name in ("vector_math.h", "amx.h")]  # included by the sources: part of what a build is keyed by
 
 
 class KernelBuildError(RuntimeError):

@@ -688,9 +688,6 @@ constexpr int64_t AMX_ROWS = 16;
 // A and C tiles hold a call's rows, up to 16 (a tile op's and a store's time grow with its rows)
 inline int64_t amx_tile_rows(int64_t M) { return M < AMX_ROWS ? M : AMX_ROWS; }
 
-// where Linux refuses the tile state (amx.h), the VNNI tiles run
-inline bool amx_permitted() { return specviz_amx::permitted(); }
-
 // q4 calls from 16 rows take AMX, q8 calls from 32: measured on the 2-core Xeon (an 8960 × 1536 matrix, the two
 // paths alternating), AMX over VNNI at 1 / 8 / 12 / 16 / 24 / 64 / 256 rows: q4 1.34 / 1.12 / 0.93 / 0.85 / 0.86 /
 // 0.73 / 0.72×, q8 (groups of 32) 1.45 / 1.36 / 1.06 / 1.00 / 1.03 / 0.78 / 0.73×, q8 (groups of 16, two float steps
@@ -705,7 +702,7 @@ std::atomic<int64_t> amx_min_rows{AMX_MIN_ROWS};
 
 inline bool use_amx(int64_t M, bool q4) {
     const int64_t least = amx_min_rows.load(std::memory_order_relaxed);
-    return least > 0 && M >= (q4 ? least : 2 * least) && amx_permitted();
+    return least > 0 && M >= (q4 ? least : 2 * least) && specviz_amx::permitted();  // else the VNNI tiles
 }
 
 // One group's float step for a row tile: acc[m] for rows m0 + m < m0 + rows, from C's sums [16 rows, 16 int32].
@@ -973,7 +970,7 @@ double specviz_int8_peak(int64_t iters, int nthreads) {
 // The instructions the 8-bit-activation kernels were built with (they compute the same bits either way).
 const char* specviz_isa() {
 #if defined(SPECVIZ_AMX)
-    if (amx_permitted()) return "avx512-vnni+amx";
+    if (specviz_amx::permitted()) return "avx512-vnni+amx";
 #endif
 #if defined(SPECVIZ_VNNI) && defined(__AVX512F__)
     return "avx512-vnni";
@@ -990,7 +987,7 @@ const char* specviz_isa() {
 // `rows` >= 0 and returns the value before, or -1 where this build or process has no AMX. For tests and benchmarks.
 int64_t specviz_amx_min_rows(int64_t rows) {
 #ifdef SPECVIZ_AMX
-    if (!amx_permitted()) return -1;
+    if (!specviz_amx::permitted()) return -1;
     return rows >= 0 ? amx_min_rows.exchange(rows) : amx_min_rows.load();
 #else
     (void)rows;

@@ -401,6 +401,40 @@ def test_bf16_encoder_keeps_windows_apart_and_the_decoders_attention():
     assert all(torch.equal(together[b:b + 1], alone[b]) for b in range(3))  # a window's bits, whatever its batch
 
 
+def _encoder_64(seed: int) -> WhisperForConditionalGeneration:
+    """One encoder layer with heads 64 wide (Whisper's: the bf16 attention kernel's width)."""
+    torch.manual_seed(seed)
+    config = WhisperConfig(vocab_size=TINY_V, num_mel_bins=80, d_model=128, encoder_layers=2, decoder_layers=1,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=256,
+                           decoder_ffn_dim=128, max_source_positions=1500, pad_token_id=TINY_V - 1)
+    return WhisperForConditionalGeneration(config).float().eval()
+
+
+@pytest.mark.parametrize("model_of", [tiny_whisper, _encoder_64], ids=["heads-16", "heads-64"])
+def test_the_lean_encoder_gives_transformers_bits(model_of):
+    """speech.lean_encoder: in fp32 the bits of transformers' encoder, with bf16 products those of transformers'
+    encoder under autocast (the same attention, registered by speech.encoder: the kernel for heads 64 wide where
+    it builds, SDPA on fp32 copies elsewhere), every window of a batch on its own."""
+    model = model_of(7)
+    features = _features(2, seed=8)
+    transformers_encoder = model.model.encoder
+    with torch.inference_mode():
+        encoder.choose(model, "tiny", "fp32")
+        fp32 = encoder.encode(model, features)
+        reference = torch.cat([transformers_encoder(features[b:b + 1]).last_hidden_state for b in range(2)])
+        assert torch.equal(fp32, reference)
+        encoder.choose(model, "tiny", "bf16")
+        bf16 = encoder.encode(model, features)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            reference = torch.cat([transformers_encoder(features[b:b + 1]).last_hidden_state for b in range(2)])
+    assert bf16.dtype == torch.float32 and torch.equal(bf16, reference.float())
+    assert not torch.equal(bf16, fp32)  # the products were bf16's
+    # the bf16 copies were made once, when the encoder was marked, and are the fp32 weights rounded
+    lean = transformers_encoder.lean_bf16
+    assert torch.equal(lean.layers[0]["fc1"][0], transformers_encoder.layers[0].fc1.weight.bfloat16())
+    assert transformers_encoder.layers[0].fc1.weight.dtype == torch.float32
+
+
 @pytest.mark.skipif(not cpu_kernels.has_bf16_attention(), reason="the bf16 attention needs AVX-512 BF16")
 def test_bf16_encoder_attention_runs_on_the_kernel_as_fp32_sdpa_would(monkeypatch):
     """Heads 64 wide (Whisper's): under bf16 products the encoder's attention goes to specviz's kernel, whose

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import threading
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +34,7 @@ from specviz.cache import cache_dir, write_json
 from specviz.decoding.calibration import timed_rounds
 from specviz.machine import describe as describe_machine
 from specviz.models import cpu_kernels
+from specviz.speech.lean_encoder import LeanWhisperEncoder
 
 ENCODER_ENV = "SPECVIZ_SPEECH_ENCODER"
 CHOICES = ("auto", "fp32", "bf16")  # auto: bf16 where it measures at least MARGIN faster here, else fp32
@@ -102,9 +102,9 @@ def _register() -> str:
 
 
 def _mark(encoder: nn.Module, bf16: bool) -> None:
-    # read by encode(); the weights stay fp32 (autocast rounds them per call: ~5 ms a window against 400), so the
-    # model's dtype, its memory and its fp32 path are unchanged. Set when a pair loads (choose), before any thread
-    # decodes with it; only benchmarks and tests switch it later, between runs of their own thread.
+    # read by encode(); the model's weights stay fp32 (the lean forward keeps bf16 copies of the products' weights,
+    # 40 MB for base), so the model's dtype and its fp32 path are unchanged. Set when a pair loads (choose), before
+    # any thread decodes with it; only benchmarks and tests switch it later, between runs of their own thread.
     encoder.bf16_products = bf16
     if bf16 and encoder.config._attn_implementation != ATTENTION:
         config = copy.copy(encoder.config)  # the encoder's own: the decoders keep their attention
@@ -112,25 +112,36 @@ def _mark(encoder: nn.Module, bf16: bool) -> None:
         for module in encoder.modules():  # the encoder, its layers and their attention modules
             if getattr(module, "config", None) is not None:
                 module.config = config
+    encoder.lean_bf16 = _lean(encoder, True) if bf16 else None
+
+
+def _lean(encoder: nn.Module, bf16: bool) -> LeanWhisperEncoder:
+    """The encoder's forward (speech.lean_encoder): with bf16 products (and their weights' bf16 copies) and
+    specviz's attention, or in the model's dtype with the attention its config names (references only: cheap)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.whisper.modeling_whisper import eager_attention_forward
+
+    name = _register() if bf16 else encoder.config._attn_implementation
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
+    return LeanWhisperEncoder(encoder, attention, torch.bfloat16 if bf16 else None)
 
 
 def _uses_bf16(encoder: nn.Module) -> bool:
     return getattr(encoder, "bf16_products", False)
 
 
-def _encode(model: WhisperForConditionalGeneration, features: torch.Tensor, bf16: bool) -> torch.Tensor:
-    dtype = model.dtype
-    outs = []
-    with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
-        for b in range(features.shape[0]):
-            outs.append(model.model.encoder(features[b:b + 1].to(model.device, dtype)).last_hidden_state.to(dtype))
-    return torch.cat(outs)
+def _encode(model: WhisperForConditionalGeneration, features: torch.Tensor, forward: LeanWhisperEncoder
+            ) -> torch.Tensor:
+    return torch.cat([forward(features[b:b + 1].to(model.device, model.dtype)).to(model.dtype)
+                      for b in range(features.shape[0])])
 
 
 def encode(model: WhisperForConditionalGeneration, features: torch.Tensor) -> torch.Tensor:
     """features [B, mel bins, 3000] -> the encoder's output [B, frames, d_model] in the model's dtype, one window
     per call, in the precision `choose` set."""
-    return _encode(model, features, _uses_bf16(model.model.encoder))
+    encoder = model.model.encoder
+    forward = encoder.lean_bf16 if _uses_bf16(encoder) else _lean(encoder, False)
+    return _encode(model, features, forward)
 
 
 def describe(model: WhisperForConditionalGeneration) -> str:
@@ -151,8 +162,9 @@ def _measure(model: WhisperForConditionalGeneration, timer: Timer) -> dict[str, 
     config = model.config
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions, generator=generator)
+    fp32, bf16 = _lean(model.model.encoder, False), _lean(model.model.encoder, True)
     with torch.inference_mode():
-        return timer({"fp32": lambda: _encode(model, features, False), "bf16": lambda: _encode(model, features, True)})
+        return timer({"fp32": lambda: _encode(model, features, fp32), "bf16": lambda: _encode(model, features, bf16)})
 
 
 def choose(model: WhisperForConditionalGeneration, model_name: str, spec: str | None = None,

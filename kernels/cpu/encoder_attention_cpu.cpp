@@ -8,6 +8,10 @@
 // them), so q · k through AVX-512 BF16's dot product multiplies exactly the numbers fp32 would, each product exact,
 // summed in fp32; the softmax and probabilities · values stay fp32 (probabilities rounded to bf16 are where bf16
 // attention loses: specviz.speech.encoder). Differs from fp32 SDPA on the same inputs only in summation order.
+// Where AMX is (attention_amx), both products run on its tiles, each probability carried in full as three bf16
+// numbers (weigh_values_amx): against float64 a quarter of the fp32 loop's error (1.2e-7 against 4.7e-7 at D 64, 8
+// heads of 1,500 frames), 0.05% of the outputs rounded to bf16 the other way; a layer 13.6 → 10.2 ms on the 2-vCPU
+// Xeon (D 128: 0.45×).
 //
 // Layouts: q, k, v [B, H, S, D] bf16 (uint16 bits) contiguous, out [B, S, H, D] fp32 (transformers' attention
 // output layout). D 32, 64 or 128. Each (sequence, head, block of rows) is one task: a row's output depends only on
@@ -73,19 +77,21 @@ void score_rows(const uint32_t* q, int64_t first, int64_t L, const uint32_t* kp,
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
 #define SPECVIZ_ENCODER_AMX 1
-// score_rows on AMX's tiles where the CPU has AMX-BF16 (Intel, Sapphire Rapids on) and Linux grants them: C [ROWS
-// queries, 16 keys] fp32 += A [ROWS, 32 bf16 of q] · B [16 pairs, 16 keys] per 32 dimensions, B read in place from
+// score_rows on AMX's tiles where the CPU has AMX-BF16 (Intel, Sapphire Rapids on) and Linux grants them: C [AMX_ROWS
+// queries, 16 keys] fp32 += A [AMX_ROWS, 32 bf16 of q] · B [16 pairs, 16 keys] per 32 dimensions, B read in place from
 // the packed keys (kp's row p holds 16 keys' pair p side by side: B's layout). Each product of two bf16 numbers is
 // exact in fp32 either way, but the tile unit adds a pair's two products in its own order, so the scores are not
 // the dot-product instructions' bits: against float64 the same error (1.4e-5 / 5.5e-6 at D 64 / 128, 1,500 and 200
 // keys, against 1.4e-5 / 1.1e-5). A window's output still depends on that window alone; the encoder's bf16 products
 // (torch's, on AMX here too) already differ by machine. The 2-vCPU Xeon, 8 heads × 1,500 keys, a layer at D 32 /
 // 64 / 128: 0.71 / 0.60 / 0.60× the time.
+constexpr int64_t AMX_ROWS = 16;  // query rows a task takes on tiles: a tile's 16 rows
+
 template <int DV>
 void score_rows_amx(const uint32_t* q, int64_t first, int64_t L, const uint32_t* kp, int64_t Sp, float* scores) {
     constexpr int64_t D = 16 * DV;
-    alignas(64) uint32_t rows[ROWS * (D / 2)];  // the task's query rows, the last repeated past L (as score_rows)
-    for (int64_t r = 0; r < ROWS; ++r)
+    alignas(64) uint32_t rows[AMX_ROWS * (D / 2)];  // the task's query rows, the last repeated past L (as score_rows)
+    for (int64_t r = 0; r < AMX_ROWS; ++r)
         memcpy(rows + r * (D / 2), q + (first + r < L ? first + r : L - 1) * (D / 2), D * 2);
     // tile numbers are immediates (gcc pastes them into the assembly): A's 32-dimension chunks in tmm4 …, keys'
     // B tiles in tmm2 / tmm3, the two 16-key halves of a TILE's scores in tmm0 / tmm1
@@ -113,9 +119,75 @@ void score_rows_amx(const uint32_t* q, int64_t first, int64_t L, const uint32_t*
 #undef SPECVIZ_KEYS_CHUNK
 }
 
-inline specviz_amx::TileConfig score_tiles() {  // score_rows_amx's shapes
+// Probabilities · values on tiles, for AMX_ROWS rows: C [16 rows, 16 outputs] fp32 += A [16 rows, 32 keys] · B [16
+// key pairs, 16 outputs] per 32 keys, B read in place from the values packed as key pairs (pack_value_pairs). The
+// probabilities are fp32: each is split into three bf16 numbers, p = hi + mid + lo (hi = bf16(p), mid = bf16(p - hi),
+// lo = bf16 of the rest: 24 bits, all of p's), and all three go through the tiles, each product with a bf16 value
+// exact in fp32 (one bf16 probability, 8 bits, is where bf16 attention loses: specviz.speech.encoder). Three times
+// one bf16 pass's tile work, still under half the 512-bit FMA loop's time (weigh_values). Output columns in groups
+// of 4 tiles (64): the tile registers hold 4 results, a chunk's three probability parts and its values.
+template <int DV>
+void weigh_values_amx(const float* probs, int64_t Sp, const uint16_t* vp, const float* sums, int64_t first, int64_t L,
+                      int64_t H, int64_t h, uint16_t* split, float* out) {
+    constexpr int64_t D = 16 * DV, GROUPS = (DV + 3) / 4, IN_GROUP = DV < 4 ? DV : 4;
+    uint16_t *hi = split, *mid = split + AMX_ROWS * Sp, *lo = split + 2 * AMX_ROWS * Sp;  // [AMX_ROWS, Sp] each
+    for (int64_t i = 0; i < AMX_ROWS * Sp; i += 16) {
+        __m512 p = _mm512_loadu_ps(probs + i);
+        uint16_t* parts[3] = {hi, mid, lo};
+        for (uint16_t* part : parts) {  // each part the bf16 rounding of what the parts before it left
+            const __m256bh top = _mm512_cvtneps_pbh(p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + i), (__m256i)top);
+            p = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)top), 16)));
+        }
+    }
+    alignas(64) float result[AMX_ROWS * D];
+    const int64_t a_stride = Sp * 2, b_stride = D * 4;  // bytes a row: Sp bf16 probabilities; a key pair's 2D values
+// tile numbers are immediates pasted into the assembly: result tile c, its values in tile 7
+#define SPECVIZ_VALUES_TILE(c)                                                               \
+    if constexpr (c < IN_GROUP) {                                                            \
+        _tile_loadd(7, vp + (j0 / 2) * 2 * D + 2 * 16 * (g * 4 + (c)), b_stride);            \
+        _tile_dpbf16ps(c, 4, 7);                                                             \
+        _tile_dpbf16ps(c, 5, 7);                                                             \
+        _tile_dpbf16ps(c, 6, 7);                                                             \
+    }
+#define SPECVIZ_STORE_TILE(c) \
+    if constexpr (c < IN_GROUP) _tile_stored(c, result + 16 * (g * 4 + (c)), D * 4);
+    for (int64_t g = 0; g < GROUPS; ++g) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j0 = 0; j0 < Sp; j0 += TILE) {
+            _tile_loadd(4, hi + j0, a_stride);
+            _tile_loadd(5, mid + j0, a_stride);
+            _tile_loadd(6, lo + j0, a_stride);
+            SPECVIZ_VALUES_TILE(0) SPECVIZ_VALUES_TILE(1) SPECVIZ_VALUES_TILE(2) SPECVIZ_VALUES_TILE(3)
+        }
+        SPECVIZ_STORE_TILE(0) SPECVIZ_STORE_TILE(1) SPECVIZ_STORE_TILE(2) SPECVIZ_STORE_TILE(3)
+    }
+#undef SPECVIZ_VALUES_TILE
+#undef SPECVIZ_STORE_TILE
+    for (int64_t r = 0; r < AMX_ROWS && first + r < L; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
+        float* o = out + ((first + r) * H + h) * D;
+        for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(result + r * D + 16 * c), inv));
+    }
+}
+
+// One head's values as pairs of keys, the B operand's layout: vp[(j / 2) · 2D + 2d + j % 2] = v[j, d]; keys S..Sp-1
+// zero (their probabilities are 0 too)
+void pack_value_pairs(const uint16_t* v, int64_t S, int64_t Sp, int64_t D, uint16_t* vp) {
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(vp);  // [Sp / 2, D]
+    for (int64_t j = 0; j < Sp; j += 2)
+        for (int64_t d = 0; d < D; ++d) {
+            const uint32_t even = j < S ? v[j * D + d] : 0, odd = j + 1 < S ? v[(j + 1) * D + d] : 0;
+            pairs[(j / 2) * D + d] = even | (odd << 16);
+        }
+}
+
+inline specviz_amx::TileConfig tiles_16_by_64() {  // every tile 16 rows of 64 bytes: scores' and values' shapes
     specviz_amx::TileConfig config;
-    for (int t = 0; t < 8; ++t) config.set(t, t == 2 || t == 3 ? 16 : static_cast<int>(ROWS), 64);
+    for (int t = 0; t < 8; ++t) config.set(t, static_cast<int>(AMX_ROWS), 64);
     return config;
 }
 #endif
@@ -168,9 +240,47 @@ void weigh_values(const float* probs, int64_t Sp, const float* vf, int64_t S, co
     }
 }
 
+#ifdef SPECVIZ_ENCODER_AMX
+// attention() on tiles: scores and probabilities · values, AMX_ROWS query rows a task
+template <int DV>
+void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t H, int64_t S, float scale,
+                   float* out, int nthreads) {
+    constexpr int64_t D = 16 * DV;
+    const int64_t Sp = (S + TILE - 1) / TILE * TILE, heads = B * H, blocks = (S + AMX_ROWS - 1) / AMX_ROWS;
+    std::vector<uint32_t> kp(heads * (D / 2) * Sp);  // every head's keys and values packed, once
+    std::vector<uint16_t> vp(heads * Sp * D);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < heads; ++bh) {
+            pack_keys(k + bh * S * D, S, Sp, D, kp.data() + bh * (D / 2) * Sp);
+            pack_value_pairs(v + bh * S * D, S, Sp, D, vp.data() + bh * Sp * D);
+        }
+        std::vector<float> scores(AMX_ROWS * Sp);
+        std::vector<uint16_t> split(3 * AMX_ROWS * Sp);
+        float sums[AMX_ROWS];
+        const specviz_amx::TileConfig config = tiles_16_by_64();
+        _tile_loadconfig(&config);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < heads * blocks; ++task) {
+            const int64_t bh = task / blocks, first = (task % blocks) * AMX_ROWS, b = bh / H, h = bh % H;
+            score_rows_amx<DV>(reinterpret_cast<const uint32_t*>(q + bh * S * D), first, S,
+                               kp.data() + bh * (D / 2) * Sp, Sp, scores.data());
+            for (int64_t r = 0; r < AMX_ROWS; ++r) sums[r] = softmax_numerators(scores.data() + r * Sp, S, Sp, scale);
+            weigh_values_amx<DV>(scores.data(), Sp, vp.data() + bh * Sp * D, sums, first, S, H, h, split.data(),
+                                 out + b * S * H * D);
+        }
+        _tile_release();
+    }
+}
+#endif
+
 template <int DV>
 void attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t H, int64_t S, float scale,
                float* out, int nthreads) {
+#ifdef SPECVIZ_ENCODER_AMX
+    if (specviz_amx::permitted()) return attention_amx<DV>(q, k, v, B, H, S, scale, out, nthreads);
+#endif
     constexpr int64_t D = 16 * DV;
     const int64_t Sp = (S + TILE - 1) / TILE * TILE, heads = B * H, blocks = (S + ROWS - 1) / ROWS;
     std::vector<uint32_t> kp(heads * (D / 2) * Sp);  // every head's keys packed, then its values in fp32, once
@@ -189,28 +299,14 @@ void attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t 
         }
         std::vector<float> scores(ROWS * Sp);
         float sums[ROWS];
-#ifdef SPECVIZ_ENCODER_AMX
-        const bool tiles = specviz_amx::permitted();
-        if (tiles) {
-            const specviz_amx::TileConfig config = score_tiles();
-            _tile_loadconfig(&config);
-        }
-#endif
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * blocks; ++task) {
             const int64_t bh = task / blocks, first = (task % blocks) * ROWS, b = bh / H, h = bh % H;
-            const uint32_t* qh = reinterpret_cast<const uint32_t*>(q + bh * S * D);
-#ifdef SPECVIZ_ENCODER_AMX
-            if (tiles) score_rows_amx<DV>(qh, first, S, kp.data() + bh * (D / 2) * Sp, Sp, scores.data());
-            else
-#endif
-            score_rows(qh, first, S, kp.data() + bh * (D / 2) * Sp, Sp, D, scores.data());
+            score_rows(reinterpret_cast<const uint32_t*>(q + bh * S * D), first, S, kp.data() + bh * (D / 2) * Sp, Sp,
+                       D, scores.data());
             for (int64_t r = 0; r < ROWS; ++r) sums[r] = softmax_numerators(scores.data() + r * Sp, S, Sp, scale);
             weigh_values<DV>(scores.data(), Sp, vf.data() + bh * S * D, S, sums, first, S, H, h, out + b * S * H * D);
         }
-#ifdef SPECVIZ_ENCODER_AMX
-        if (tiles) _tile_release();
-#endif
     }
 }
 #endif

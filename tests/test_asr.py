@@ -449,7 +449,7 @@ def test_the_lean_encoder_gives_transformers_bits(model_of):
     assert not torch.equal(bf16, fp32)  # the products were bf16's
     # the bf16 copies were made once, when the encoder was marked, and are the fp32 weights rounded
     lean = transformers_encoder.lean_bf16
-    assert torch.equal(lean.layers[0]["fc1"][0], transformers_encoder.layers[0].fc1.weight.bfloat16())
+    assert torch.equal(lean.layers[0].fc1[0], transformers_encoder.layers[0].fc1.weight.bfloat16())
     assert transformers_encoder.layers[0].fc1.weight.dtype == torch.float32
 
 

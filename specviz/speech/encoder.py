@@ -3,8 +3,9 @@ faster (measured once per machine and model, cached).
 
 The encoder is most of what a transcription costs on a CPU (42 G multiply-adds a window: 0.6 s of a 13 s clip's
 1.0 s on the 2-core Zen 4, at its fp32 FMA floor), and the same for target-only and speculative runs. With
-`bf16` its linear layers and convolutions run in bf16 (torch's autocast: its layer norms and attention stay
-fp32 in arithmetic, and so does its output; the stored weights too): on that Zen 4 (AVX-512 BF16) 0.63 → 0.44 s a
+`bf16` its linear layers and convolutions run in bf16 (torch's autocast's numbers: its layer norms and attention
+stay fp32 in arithmetic, and so does its output; the stored weights too), walked by speech.lean_encoder (the same
+bits without transformers' strided residuals; bf16 copies of the products' weights): on that Zen 4 (AVX-512 BF16) 0.63 → 0.44 s a
 window, then 0.34 s with the attention on specviz's kernel (`_fp32_attention`); the output within 1.2% (relative
 L2) of fp32's; the target's next-token distributions along its transcripts of the eval clips, the sample and an
 unseen clip, 331 positions: KL mean 0.9e-4 from fp32's (the text target's 8-bit activations: 19e-4), the same
@@ -29,6 +30,8 @@ from typing import Callable
 import torch
 from torch import nn
 from transformers import WhisperForConditionalGeneration
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.whisper.modeling_whisper import eager_attention_forward
 
 from specviz.cache import cache_dir, write_json
 from specviz.decoding.calibration import timed_rounds
@@ -118,9 +121,6 @@ def _mark(encoder: nn.Module, bf16: bool) -> None:
 def _lean(encoder: nn.Module, bf16: bool) -> LeanWhisperEncoder:
     """The encoder's forward (speech.lean_encoder): with bf16 products (and their weights' bf16 copies) and
     specviz's attention, or in the model's dtype with the attention its config names (references only: cheap)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.whisper.modeling_whisper import eager_attention_forward
-
     name = _register() if bf16 else encoder.config._attn_implementation
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
     return LeanWhisperEncoder(encoder, attention, torch.bfloat16 if bf16 else None)

@@ -16,6 +16,7 @@ attention is the interface the encoder's config names (speech.encoder's for bf16
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,8 +24,10 @@ from torch import nn
 from torch.nn import functional as F
 
 
+Product = tuple[torch.Tensor, torch.Tensor | None]  # a product's weight and bias (None: none), as F.linear / F.conv1d take them
 
-def _cast(linear: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+def _cast(linear: nn.Module, dtype: torch.dtype) -> Product:
     """A product's weight and bias as autocast gives them to its kernel (the tensors themselves where no cast)."""
     bias = linear.bias.detach().to(dtype) if linear.bias is not None else None
     return linear.weight.detach().to(dtype), bias
@@ -32,6 +35,22 @@ def _cast(linear: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
 
 def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:  # in x's dtype (fp32 under autocast)
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One encoder layer's modules (norms, attention) and its products' weights and biases as the forward uses them."""
+
+    layer: nn.Module
+    attention: nn.Module
+    heads: int
+    scaling: float
+    q: Product
+    k: Product
+    v: Product
+    out: Product
+    fc1: Product
+    fc2: Product
 
 
 class LeanWhisperEncoder:
@@ -45,21 +64,19 @@ class LeanWhisperEncoder:
         dropout=, scaling=) -> (out [B, frames, H, D], weights)."""
         self.attention = attention
         self.residual = encoder.embed_positions.weight.dtype  # the residual stream's dtype, as transformers keeps it
-        self.products = products or self.residual
+        self.products = dtype = products or self.residual
         self.conv1, self.conv2 = encoder.conv1, encoder.conv2
-        self.conv_weights = [_cast(encoder.conv1, self.products), _cast(encoder.conv2, self.products)]
+        self.conv_weights = [_cast(encoder.conv1, dtype), _cast(encoder.conv2, dtype)]
         self.positions = encoder.embed_positions.weight  # [frames, d]
         self.norm = encoder.layer_norm
-        self.layers = []
-        for layer in encoder.layers:
-            a = layer.self_attn
-            self.layers.append({
-                "layer": layer, "attn": a, "heads": a.num_heads, "scaling": a.scaling,
-                **{name: _cast(getattr(a, name), self.products) for name in ("q_proj", "k_proj", "v_proj", "out_proj")},
-                "fc1": _cast(layer.fc1, self.products), "fc2": _cast(layer.fc2, self.products),
-            })
+        self.layers = [
+            _Layer(layer, layer.self_attn, layer.self_attn.num_heads, layer.self_attn.scaling,
+                   _cast(layer.self_attn.q_proj, dtype), _cast(layer.self_attn.k_proj, dtype),
+                   _cast(layer.self_attn.v_proj, dtype), _cast(layer.self_attn.out_proj, dtype),
+                   _cast(layer.fc1, dtype), _cast(layer.fc2, dtype))
+            for layer in encoder.layers]
 
-    def _conv(self, x: torch.Tensor, conv: nn.Conv1d, weights) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, conv: nn.Conv1d, weights: Product) -> torch.Tensor:
         return F.conv1d(x, weights[0], weights[1], conv.stride, conv.padding, conv.dilation, conv.groups)
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
@@ -72,17 +89,15 @@ class LeanWhisperEncoder:
         hidden = x.permute(0, 2, 1).contiguous().to(residual) + self.positions  # [B, frames, d]
         B, frames, _ = hidden.shape
         for w in self.layers:
-            layer, heads = w["layer"], w["heads"]
-            shape = (B, frames, heads, -1)
-            x = _layer_norm(hidden, layer.self_attn_layer_norm).to(products)
-            q = (F.linear(x, *w["q_proj"]) * w["scaling"]).view(shape).transpose(1, 2).contiguous()
-            k = F.linear(x, *w["k_proj"]).view(shape).transpose(1, 2).contiguous()
-            v = F.linear(x, *w["v_proj"]).view(shape).transpose(1, 2).contiguous()
-            out, _ = self.attention(w["attn"], q, k, v, None, dropout=0.0, scaling=1.0)  # [B, frames, H, D]
-            out = F.linear(out.reshape(B, frames, -1).contiguous().to(products), *w["out_proj"])
-            hidden = hidden + out.to(residual)
-            x = _layer_norm(hidden, layer.final_layer_norm).to(products)
-            hidden = hidden + F.linear(F.gelu(F.linear(x, *w["fc1"])), *w["fc2"]).to(residual)
+            shape = (B, frames, w.heads, -1)
+            x = _layer_norm(hidden, w.layer.self_attn_layer_norm).to(products)
+            q = (F.linear(x, *w.q) * w.scaling).view(shape).transpose(1, 2).contiguous()  # [B, H, frames, D]
+            k = F.linear(x, *w.k).view(shape).transpose(1, 2).contiguous()
+            v = F.linear(x, *w.v).view(shape).transpose(1, 2).contiguous()
+            out, _ = self.attention(w.attention, q, k, v, None, dropout=0.0, scaling=1.0)  # [B, frames, H, D]
+            hidden = hidden + F.linear(out.reshape(B, frames, -1).contiguous().to(products), *w.out).to(residual)
+            x = _layer_norm(hidden, w.layer.final_layer_norm).to(products)
+            hidden = hidden + F.linear(F.gelu(F.linear(x, *w.fc1)), *w.fc2).to(residual)
             if hidden.dtype == torch.float16:  # as transformers' layer keeps fp16 finite
                 bound = torch.finfo(torch.float16).max - 1000
                 hidden = hidden.clamp(-bound, bound)

@@ -694,6 +694,31 @@ def test_prediction_and_its_sentence_on_a_run(tiny_pair, prompt_ids):
     assert histogram and sum(histogram[0].y) == len(drafting)
 
 
+def test_prediction_prices_an_iteration_at_most_what_its_output_still_needed(tiny_pair, prompt_ids):
+    """A run whose last iteration drafts past its budget: that iteration is worth only the tokens the output still
+    took, E[min(tokens, needed)] (the expectation over the positions it could still use), so the prediction sets
+    the same tokens against target-only as the run emitted; priced at its full expectation it over-predicted short
+    outputs (a speech window, ~10%)."""
+    from specviz.traces.prediction import predict
+
+    cfg = SpecConfig(mode="exact", gamma_policy="constant", gamma_init=6, max_new_tokens=9)
+    trace = decode(tiny_pair, [prompt_ids], cfg)
+    drafted = trace.drafted()
+    assert len(drafted) >= 2
+    alphas = trace.alpha_by_position()
+    left, worth = sum(d.emitted for d in trace.decisions()), []
+    for d in trace.decisions():
+        if d.gamma:
+            worth.append(expected_tokens_by_position(alphas, min(d.gamma, left - 1)))
+        left -= d.emitted
+    p = predict(trace)
+    assert p.tokens_per_iteration == pytest.approx(sum(worth) / len(worth), rel=1e-9)
+    uncapped = sum(expected_tokens_by_position(alphas, d.gamma) for d in drafted) / len(drafted)
+    assert p.tokens_per_iteration < uncapped  # the last iteration's γ + 1 positions were more than 9 tokens needed
+    assert p.measured_tokens_per_iteration == pytest.approx(sum(d.emitted for d in drafted) / len(drafted))
+    assert sum(d.emitted for d in trace.decisions()) == 9
+
+
 def test_prediction_sets_the_run_against_a_measured_reference(tiny_pair, prompt_ids):
     """Where target-only was measured (compare's reference, the page's meta["target_only"]), the prediction sets
     the run's priced iterations against that speed, not the cost table's plain price; malformed figures fall

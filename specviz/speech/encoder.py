@@ -44,7 +44,7 @@ CHOICES = ("auto", "fp32", "bf16")  # auto: bf16 where it measures at least MARG
 ATTENTION = "specviz_fp32_sdpa"  # the encoder's attention while its products are bf16 (_fp32_attention)
 MARGIN = 0.10  # bf16 rounds the encoder's products: taken only for a clear gain, not a tie within the host's noise
 TIMING_ROUNDS = 2  # alternating rounds of one window each way, after a warm-up (~3 s once per machine and model)
-CACHE_VERSION = 2  # bump when what is measured changes (2: bf16 attention on the kernel): older choices ignored
+CACHE_VERSION = 3  # bump when what is measured changes (2: bf16 attention on the kernel; 3: the lean forward): older ignored
 
 Timer = Callable[[dict[str, Callable[[], None]]], dict[str, float]]  # calls by name -> seconds by name
 

@@ -124,8 +124,9 @@ void score_rows_amx(const uint32_t* q, int64_t first, int64_t L, const uint32_t*
 // probabilities are fp32: each is split into three bf16 numbers, p = hi + mid + lo (hi = bf16(p), mid = bf16(p - hi),
 // lo = bf16 of the rest: 24 bits, all of p's), and all three go through the tiles, each product with a bf16 value
 // exact in fp32 (one bf16 probability, 8 bits, is where bf16 attention loses: specviz.speech.encoder). Three times
-// one bf16 pass's tile work, still under half the 512-bit FMA loop's time (weigh_values). Output columns in groups
-// of 4 tiles (64): the tile registers hold 4 results, a chunk's three probability parts and its values.
+// one bf16 pass's tile work (two parts measured 6% faster a layer, but 16 bits missed fp32's accuracy). Output
+// columns in groups of 4 tiles (64): the tile registers hold 4 results, a chunk's three probability parts and its
+// values.
 template <int DV>
 void weigh_values_amx(const float* probs, int64_t Sp, const uint16_t* vp, const float* sums, int64_t first, int64_t L,
                       int64_t H, int64_t h, uint16_t* split, float* out) {

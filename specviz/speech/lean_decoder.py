@@ -47,7 +47,7 @@ def supports(model: nn.Module) -> bool:
         isinstance(m, _KERNEL_LINEARS) for layer in decoder.layers for m in layer_linears(layer))
 
 
-def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:  # nn.LayerNorm's forward
+def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:  # nn.LayerNorm's forward (the encoder's too)
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
@@ -169,23 +169,23 @@ class LeanWhisperDecoder:
             self.native.run(hidden, cache.self_attention_cache, past, sees,
                             [(cross.layers[i].keys.contiguous(), cross.layers[i].values.contiguous())
                              for i in range(len(self.layers))])
-            return _layer_norm(hidden[:, -keep:], self.norm)
+            return layer_norm(hidden[:, -keep:], self.norm)
         sees_all = torch.ones((B, W, encoder_out.shape[1]), dtype=torch.uint8)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            x = _layer_norm(hidden, layer.self_attn_layer_norm)
+            x = layer_norm(hidden, layer.self_attn_layer_norm)
             q = a.q_proj(x) * a.scaling
             k = a.k_proj(x).view(B, W, self.heads, self.head_dim).transpose(1, 2).contiguous()
             v = a.v_proj(x).view(B, W, self.heads, self.head_dim).transpose(1, 2).contiguous()
             keys, values = cache.self_attention_cache.update(k, v, i)  # views [B, H, L + W, D]
             hidden = hidden + a.out_proj(self._attend(q, keys, values, sees))
             c = layer.encoder_attn
-            x = _layer_norm(hidden, layer.encoder_attn_layer_norm)
+            x = layer_norm(hidden, layer.encoder_attn_layer_norm)
             keys, values = self._cross(i, layer, cache, encoder_out)
             hidden = hidden + c.out_proj(self._attend(c.q_proj(x) * c.scaling, keys, values, sees_all))
-            x = _layer_norm(hidden, layer.final_layer_norm)
+            x = layer_norm(hidden, layer.final_layer_norm)
             hidden = hidden + layer.fc2(_gelu(layer.fc1(x)))
-        return _layer_norm(hidden[:, -keep:], self.norm)
+        return layer_norm(hidden[:, -keep:], self.norm)
 
 
 def attach(model: nn.Module, cross_kv: torch.dtype = torch.float32, native: bool = False) -> nn.Module:

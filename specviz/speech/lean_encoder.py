@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from specviz.speech.lean_decoder import layer_norm  # in x's dtype: fp32 under autocast, as autocast runs it
+
 
 Product = tuple[torch.Tensor, torch.Tensor | None]  # a product's weight and bias (None: none), as F.linear / F.conv1d take them
 
@@ -31,10 +33,6 @@ def _cast(linear: nn.Module, dtype: torch.dtype) -> Product:
     """A product's weight and bias as autocast gives them to its kernel (the tensors themselves where no cast)."""
     bias = linear.bias.detach().to(dtype) if linear.bias is not None else None
     return linear.weight.detach().to(dtype), bias
-
-
-def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:  # in x's dtype (fp32 under autocast)
-    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
 @dataclass(frozen=True)
@@ -90,15 +88,15 @@ class LeanWhisperEncoder:
         B, frames, _ = hidden.shape
         for w in self.layers:
             shape = (B, frames, w.heads, -1)
-            x = _layer_norm(hidden, w.layer.self_attn_layer_norm).to(products)
+            x = layer_norm(hidden, w.layer.self_attn_layer_norm).to(products)
             q = (F.linear(x, *w.q) * w.scaling).view(shape).transpose(1, 2).contiguous()  # [B, H, frames, D]
             k = F.linear(x, *w.k).view(shape).transpose(1, 2).contiguous()
             v = F.linear(x, *w.v).view(shape).transpose(1, 2).contiguous()
             out, _ = self.attention(w.attention, q, k, v, None, dropout=0.0, scaling=1.0)  # [B, frames, H, D]
             hidden = hidden + F.linear(out.reshape(B, frames, -1).contiguous().to(products), *w.out).to(residual)
-            x = _layer_norm(hidden, w.layer.final_layer_norm).to(products)
+            x = layer_norm(hidden, w.layer.final_layer_norm).to(products)
             hidden = hidden + F.linear(F.gelu(F.linear(x, *w.fc1)), *w.fc2).to(residual)
             if hidden.dtype == torch.float16:  # as transformers' layer keeps fp16 finite
                 bound = torch.finfo(torch.float16).max - 1000
                 hidden = hidden.clamp(-bound, bound)
-        return _layer_norm(hidden, self.norm)
+        return layer_norm(hidden, self.norm)

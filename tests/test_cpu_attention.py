@@ -49,6 +49,25 @@ def test_attention_equals_sdpa(B, H, Hkv, L, S, D):
     torch.testing.assert_close(got, sdpa(q, k, v, sees, D ** -0.5), rtol=2e-5, atol=2e-5)
 
 
+def test_a_cache_with_holes_reads_as_sdpa():
+    """A speculative run's cache keeps rejected drafts' slots, masked: a row's keys are runs with holes between them
+    (and, past 64 keys, runs the reading ahead takes in pieces). Over a long cache (400 keys of 512 bytes, read ahead
+    16 rows) the output is SDPA's up to fp32 rounding and a row's bits are its own alone."""
+    g = torch.Generator().manual_seed(7)
+    B, H, Hkv, L, S, D = 3, 6, 2, 2, 400, 128
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    sees = causal_with_padding(B, L, S, [0, 7, 30])
+    sees[:, :, 100:102] = False  # two rejected drafts
+    sees[1, :, 250:253] = False
+    sees[2, :, 120:380:9] = False  # a hole every 9 keys: runs shorter than the reading ahead
+    got = cpu_kernels.attention(q, k, v, sees.to(torch.uint8).contiguous(), D ** -0.5)
+    torch.testing.assert_close(got, sdpa(q, k, v, sees, D ** -0.5), rtol=2e-5, atol=2e-5)
+    for b in range(B):
+        alone = cpu_kernels.attention(q[b:b + 1].contiguous(), k[b:b + 1].contiguous(), v[b:b + 1].contiguous(),
+                                      sees[b:b + 1].to(torch.uint8).contiguous(), D ** -0.5)
+        assert torch.equal(alone[0], got[b]), b
+
+
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_without_a_mask_the_module_says_whether_rows_see_every_key(is_causal):
     """transformers passes no mask to cross-attention (Whisper's decoder reading the encoder): a module that is

@@ -53,11 +53,15 @@ constexpr int HEADS_PER_PASS = 3;
 #else
 constexpr int HEADS_PER_PASS = 1;
 #endif
-// The scores' 512-bit pass keeps 4 vectors a head (two keys each): six heads' 24 accumulators fit.
+// The scores' 512-bit pass keeps 4 vectors a head (two keys each): six heads' 24 accumulators fit; so does the
+// values' pass over heads of at most 64 elements (4 vectors a head: the draft's). The draft's 7 heads a key head
+// took 43 GMAC/s at 4 rows (scores 6 + 1, values 3 + 3 + 1 heads a pass over L1-resident keys).
 #ifdef SPECVIZ_ATTENTION_512
 constexpr int SCORE_HEADS_PER_PASS = 6;
+constexpr int NARROW_VALUE_HEADS_PER_PASS = 6;
 #else
 constexpr int SCORE_HEADS_PER_PASS = HEADS_PER_PASS;
+constexpr int NARROW_VALUE_HEADS_PER_PASS = HEADS_PER_PASS;
 #endif
 
 // Reading ahead. A pass over keys (or values) that come from memory stalled on it: the target's 28 layers over 835
@@ -84,9 +88,10 @@ struct Ahead {
     // successors find the rest), or false after the last
     __attribute__((noinline)) bool next_run() {
         if (keys >= last) return false;
-        const int32_t* k = keys;
         const int32_t* stop = last - keys > 64 ? keys + 64 : last;
-        while (k + 1 < stop && k[1] == k[0] + 1) ++k;
+        const int32_t* k = stop - 1;  // keys are increasing: the piece is one run where its ends say so
+        if (*k - keys[0] != k - keys)
+            for (k = keys; k + 1 < stop && k[1] == k[0] + 1;) ++k;
         next = base + static_cast<int64_t>(keys[0]) * row;
         end = base + (static_cast<int64_t>(k[0]) + 1) * row;
         keys = k + 1;
@@ -299,12 +304,21 @@ struct Queries {
     int nq = 0;
 };
 
-// f(HP, first query) over the queries HP at a time, then one at a time for the rest
+// f(R, first query) for the `left` queries from g on, fewer than R + 1 of them: one pass of as many as there are
+template <int R, typename F>
+inline void rest(int left, int g, const F& f) {
+    if constexpr (R >= 1) {
+        if (left == R) return f(std::integral_constant<int, R>{}, g);
+        rest<R - 1>(left, g, f);
+    }
+}
+
+// f(HP, first query) over the queries HP at a time, then the rest in one pass (7 heads: 6 + 1, 14: 6 + 6 + 2)
 template <int HP, typename F>
 inline void by_groups(int nq, const F& f) {
     int g = 0;
     for (; g + HP <= nq; g += HP) f(std::integral_constant<int, HP>{}, g);
-    for (; g < nq; ++g) f(std::integral_constant<int, 1>{}, g);
+    rest<HP - 1>(nq - g, g, f);
 }
 
 template <typename KV>
@@ -332,11 +346,15 @@ void attend(Queries& Q, int64_t shared, const KV* kbase, const KV* vbase, int64_
     }
     for (int64_t c0 = 0; c0 < shared; c0 += CHUNK) {
         const int64_t c1 = shared - c0 < CHUNK ? shared : c0 + CHUNK;
-        by_groups<HEADS_PER_PASS>(Q.nq, [&](auto hp, int g) {
+        auto pass = [&](auto hp, int g) {
             constexpr int HP = decltype(hp)::value;
             weighted_values<HP, KV>(Q.s.data() + g, vbase, Q.keys[g], c0, c1, D, Q.acc.data() + g,
                                     g == 0 ? ahead_for(vbase, Q.keys[g] + c0, shared - c0, D) : Ahead{});
-        });
+        };
+        if (D <= 64)
+            by_groups<NARROW_VALUE_HEADS_PER_PASS>(Q.nq, pass);
+        else
+            by_groups<HEADS_PER_PASS>(Q.nq, pass);
     }
     for (int i = 0; i < Q.nq; ++i) {
         if (Q.n[i] > shared)

@@ -259,6 +259,8 @@ def _left_aligned(logits: torch.Tensor, counts: list[int], width: int) -> torch.
     """logits [B, W, V] whose row r ends with its counts[r] relevant columns -> [B, width, V] starting with
     them (padding beyond repeats the row's last column)."""
     W = logits.shape[1]
+    if width == W and all(n == W for n in counts):  # every row fed its drafts and one more: aligned already
+        return logits  # (the gather copied 4.9 MB for 4 rows at γ 1: 1.4 ms of a 80 ms call)
     cols = torch.tensor([[W - n + min(j, n - 1) for j in range(width)] for n in counts], device=logits.device)
     return logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
 

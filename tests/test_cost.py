@@ -142,9 +142,10 @@ def test_the_runs_own_calls_set_the_level_of_a_calibration_from_another_day():
         m.observe(1, 3, 4, 3, 0.18, 0.2, 0.002, 0.001, False)
     assert m.target_s(1, 4) == pytest.approx((0.192 + 0.2 + 0.2) / 3)  # three calls of its own: their mean
     assert m.draft_s(1) == pytest.approx(0.06)
-    for _ in range(2):
-        m.observe(1, 0, 1, 0, 0.0, 0.13, 0.0, 0.0, False)  # plain steps are their own table
-    assert m.plain_s(1) == pytest.approx(0.105 / 0.1 * m.target_s(1, 1))
+    m.observe(1, 0, 1, 0, 0.0, 0.13, 0.0, 0.0, False)  # plain steps are their own table
+    assert m.plain_s(1) == pytest.approx(0.105 / 0.1 * m.target_s(1, 1))  # one: the calibration's share still
+    m.observe(1, 0, 1, 0, 0.0, 0.13, 0.0, 0.0, False)
+    assert m.plain_s(1) == pytest.approx(0.13)  # PLAIN_TRUST of its own: their mean
     table = CostModel.from_dict(m.to_dict())
     assert table.target_s(1, 4) == pytest.approx(m.target_s(1, 4)) and table.plain_s(1) == pytest.approx(m.plain_s(1))
 
@@ -263,7 +264,7 @@ def test_plain_steps_let_an_unlucky_start_fade_back_towards_the_prior():
 def test_policy_prices_plain_steps_itself_where_the_choice_is_close():
     """Drafting iterations never time a plain step, and its calibrated price can be off (the curve's shape
     drifts): where the best γ is expected to gain little, every PLAIN_PROBE_EVERY-th iteration is a plain step
-    until the run has TRUST of its own; where drafting clearly pays, none."""
+    until the run has PLAIN_TRUST of its own; where drafting clearly pays, none."""
     def run(costs: CostModel, alpha: float, iterations: int = 60) -> list[int]:
         p = CostAware(costs=costs)
         gammas = []
@@ -278,9 +279,9 @@ def test_policy_prices_plain_steps_itself_where_the_choice_is_close():
     gammas = run(close, 0.6)
     plain = [i for i, g in enumerate(gammas) if g == 0]
     every = CostAware.PLAIN_PROBE_EVERY
-    assert len(plain) == close.TRUST  # after drafting calls a plain step pays no setup: each one is priced
+    assert len(plain) == close.PLAIN_TRUST  # after drafting calls a plain step pays no setup: each one is priced
     assert all(b - a == every + 1 for a, b in zip(plain, plain[1:])) and plain[0] == every
-    assert close.plain_calls(1) == close.TRUST and all(g > 0 for g in gammas[plain[-1] + 1:])
+    assert close.plain_calls(1) == close.PLAIN_TRUST and all(g > 0 for g in gammas[plain[-1] + 1:])
     clear = synthetic(t1=0.1, per_token=0.005, draft=0.01)  # drafting pays several times over at α = 0.9
     assert all(g > 0 for g in run(clear, 0.9))
     unpriced = synthetic(t1=0.1, per_token=0.02, draft=0.02)

@@ -218,7 +218,7 @@ class CostAware:
     price is the calibration's, scaled by the run's level, and that misses when the cost curve's shape drifts
     (a one-token step bound by memory, a 3-token call partly by arithmetic: 1.08× one at a calibration, 1.34×
     an hour later on the 2-core EPYC; docs/history.md). So where the choice is close (the best plan expected
-    below PLAIN_PROBE_BELOW) and the run has not timed TRUST plain steps of its own, every PLAIN_PROBE_EVERY-th
+    below PLAIN_PROBE_BELOW) and the run has not timed PLAIN_TRUST plain steps of its own, every PLAIN_PROBE_EVERY-th
     iteration is a plain step: at most PLAIN_PROBES per run (batch sizes change as rows finish: each size's plain
     price then follows the level of the one measured), each losing under half a step where drafting pays.
 
@@ -338,7 +338,7 @@ class CostAware:
     def _plain_probe_due(self, batch: int, best: float) -> bool:
         """Whether this iteration should be a plain step that prices plain steps (see the class's text)."""
         due = (best < self.PLAIN_PROBE_BELOW and self.drafting_run >= self.PLAIN_PROBE_EVERY
-               and self.plain_probes < self.PLAIN_PROBES and self.costs.plain_calls(batch) < self.costs.TRUST)
+               and self.plain_probes < self.PLAIN_PROBES and self.costs.plain_calls(batch) < self.costs.PLAIN_TRUST)
         self.plain_probes += due  # asked once per iteration (`plan`, or `update` for `current`)
         return due
 

@@ -339,7 +339,7 @@ class CostAware:
         """Whether this iteration should be a plain step that prices plain steps (see the class's text)."""
         due = (best < self.PLAIN_PROBE_BELOW and self.drafting_run >= self.PLAIN_PROBE_EVERY
                and self.plain_probes < self.PLAIN_PROBES and self.costs.plain_calls(batch) < self.costs.PLAIN_TRUST)
-        self.plain_probes += due  # asked once per iteration (`plan`, or `update` for `current`)
+        self.plain_probes += due  # asked once per iteration (by `plan`, or by `current` where a run asks for γ alone)
         return due
 
     def probe_after(self, batch: int, gamma: int, speedup: float, lag: int | None = None) -> int:

@@ -212,6 +212,11 @@ def test_the_interleaved_layout_gives_back_the_row_major_weight_and_its_selected
     ids = torch.tensor([36, 0, 9, 8, 17, 3, 30, 31, 2])
     x = torch.randn(6, 448)
     assert torch.equal(layer.select_rows(ids)(x), layer(x)[:, ids])
+    # ids that start with whole blocks (the draft head's first K ids): those blocks are kept as they are
+    for ids in (torch.arange(16), torch.arange(19), torch.cat([torch.arange(16), torch.tensor([36, 17, 30])])):
+        part = layer.select_rows(ids)
+        assert part.out_features == len(ids) and torch.equal(part(x), layer(x)[:, ids]), ids.tolist()
+        assert torch.equal(part.q[:2], layer.q[:2])
 
 
 @A8

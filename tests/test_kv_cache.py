@@ -120,12 +120,48 @@ def test_growth_beyond_the_headroom_keeps_every_bit(model):
     """A cache with no headroom grows (doubling) many times over the run; nothing moves in the views."""
     class Tight(CausalLMDecoder):
         def _new_cache(self) -> BufferedCache:
-            return BufferedCache(headroom=0)
+            return BufferedCache(headroom=0, pooled=True)
 
     g = torch.Generator().manual_seed(7)
     new, old = Tight(model, VOCAB, 2), DynamicDecoder(model, VOCAB, 2)
     _drive(new, old, [_tokens(g, 3), _tokens(g, 8)], seed=8, steps=12)
     assert new.cache.layers[0].capacity >= new.valid.shape[1]
+
+
+def test_a_pool_hands_out_disjoint_tensors_and_reuses_a_chunk_only_when_none_of_it_is_left():
+    """A decoding cache's buffers (arena.Pool): aligned, never overlapping; a chunk goes back for reuse once its last
+    tensor (a view counts) is gone, and not before."""
+    import gc
+
+    from specviz.models import arena
+
+    def span(t: torch.Tensor) -> range:
+        return range(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+    pool = arena.Pool()
+    parts = [pool.empty((3, 5), torch.float32), pool.empty((1001,), torch.float16), pool.empty((2, 7, 9), torch.uint8),
+             pool.empty((4, 2, 33, 8), torch.float32)]
+    for i, t in enumerate(parts):
+        assert t.data_ptr() % arena.ALIGN == 0 and t.is_contiguous()
+        t.fill_(i + 1)
+        assert not any(set(span(t)) & set(span(u)) for u in parts[:i])
+    assert [int(t.float().mean()) for t in parts] == [1, 2, 3, 4]  # no write reached another tensor
+    chunk = parts[0].data_ptr()  # the chunk's first 2 MB boundary
+    assert chunk % arena.HUGE_PAGE == 0
+
+    def idle_chunks() -> set[int]:
+        return {-(-torch.frombuffer(m, dtype=torch.uint8).data_ptr() // arena.HUGE_PAGE) * arena.HUGE_PAGE
+                for m in arena._IDLE._idle}
+
+    kept = parts[1][10:20]  # a view of the chunk outlives the pool and every tensor it gave
+    del pool, parts, t
+    gc.collect()
+    assert chunk not in idle_chunks() and torch.all(kept == 2)
+    del kept
+    gc.collect()
+    assert chunk in idle_chunks()
+    big = arena.Pool().empty((arena.Pool.CHUNK // 4 + 1,), torch.float32)  # beyond a chunk: memory of its own
+    assert big.numel() == arena.Pool.CHUNK // 4 + 1 and big.data_ptr() % arena.HUGE_PAGE == 0
 
 
 @torch.inference_mode()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from specviz.models.arena import Pool
+
 HEADROOM = 256  # slots a fresh buffer holds beyond its first write: ~a run's new tokens and holes, no regrowth
 GROWTH = 2  # capacity multiplier when a write does not fit: amortized O(1) copies per appended slot
 
@@ -26,10 +28,11 @@ class BufferedLayer(DynamicLayer):
     """One layer's keys and values: `keys`/`values` are views [B, heads, length, head_dim] of buffers
     [B, heads, capacity, head_dim] that updates write into."""
 
-    def __init__(self, reserve: int = 0, headroom: int = HEADROOM):
+    def __init__(self, reserve: int = 0, headroom: int = HEADROOM, pool: Pool | None = None):
         super().__init__()
         self.reserve = reserve  # the least capacity to allocate (0: first write + headroom)
         self.headroom = headroom
+        self.pool = pool  # where CPU buffers come from (2 MB pages); None: torch's allocator
         self.length = 0  # used slots
         self._keys: torch.Tensor | None = None  # [B, heads, capacity, head_dim]
         self._values: torch.Tensor | None = None
@@ -45,12 +48,17 @@ class BufferedLayer(DynamicLayer):
     def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, batch: int, capacity: int) -> None:
         """New buffers of `capacity` slots for `batch` rows (the current batch where any slot is used), the used
         slots copied over. like_k, like_v: [*, heads, *, head_dim], giving shape, dtype, device."""
-        keys = like_k.new_empty(batch, like_k.shape[1], capacity, like_k.shape[3])
-        values = like_v.new_empty(batch, like_v.shape[1], capacity, like_v.shape[3])
+        keys = self._empty(like_k, (batch, like_k.shape[1], capacity, like_k.shape[3]))
+        values = self._empty(like_v, (batch, like_v.shape[1], capacity, like_v.shape[3]))
         if self._keys is not None and self.length:
             keys[:, :, : self.length] = self._keys[:, :, : self.length]
             values[:, :, : self.length] = self._values[:, :, : self.length]
         self._keys, self._values = keys, values
+
+    def _empty(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.pool is not None and like.device.type == "cpu":
+            return self.pool.empty(shape, like.dtype)
+        return like.new_empty(shape)
 
     # keys / values: views of the used length, made when read (the native layers claim slots and the slotted
     # decoder crops 24-28 layers per call without reading them: making views there cost ~0.2 ms a draft step)
@@ -136,8 +144,8 @@ class BufferedLayer(DynamicLayer):
                     self._values[row, :, : self.length] = self._values[source, :, : self.length]
             self._keys, self._values = self._keys[: len(kept)], self._values[: len(kept)]
             return
-        keys = self._keys.new_empty(len(indices), *self._keys.shape[1:])
-        values = self._values.new_empty(len(indices), *self._values.shape[1:])
+        keys = self._empty(self._keys, (len(indices), *self._keys.shape[1:]))
+        values = self._empty(self._values, (len(indices), *self._values.shape[1:]))
         indices = indices.to(self._keys.device)
         keys[:, :, : self.length] = self._keys[indices, :, : self.length]
         values[:, :, : self.length] = self._values[indices, :, : self.length]
@@ -177,13 +185,18 @@ class BufferedCache(DynamicCache):
     reserve: the capacity (slots) each layer allocates on its first write, when the caller knows the total
     (prompt + new tokens + holes); 0 allocates the first write plus `headroom`. Growth past it doubles.
     kv_dtype: what the native layers keep keys and values as (fp16 for a draft model: half the bytes).
+    pooled: buffers on 2 MB pages (arena.Pool), for a cache that decodes; a stored prompt's would pin a chunk.
     """
 
-    def __init__(self, reserve: int = 0, headroom: int = HEADROOM, kv_dtype: torch.dtype = torch.float32):
+    def __init__(self, reserve: int = 0, headroom: int = HEADROOM, kv_dtype: torch.dtype = torch.float32,
+                 pooled: bool = False):
         Cache.__init__(self, layers=[])  # not DynamicCache's: it would replicate plain DynamicLayers
         self.reserve_slots, self.headroom = reserve, headroom
         # what the native layers (models/native_forward.py) write keys and values as; other forwards write their own
         self.kv_dtype = kv_dtype
+        # where the layers' CPU buffers come from: a decoding cache's on 2 MB pages (models/arena.py; this cache's
+        # thread only), others (a prompt's stored entry, kept for later runs) torch's
+        self.pool = Pool() if pooled else None
 
     def reserve(self, slots: int, headroom: int | None = None) -> None:
         """Layers not yet written allocate at least `slots` on their first write (written ones keep their
@@ -196,7 +209,7 @@ class BufferedCache(DynamicCache):
 
     def _layer(self, layer_idx: int) -> BufferedLayer:
         while len(self.layers) <= layer_idx:
-            self.layers.append(BufferedLayer(self.reserve_slots, self.headroom))
+            self.layers.append(BufferedLayer(self.reserve_slots, self.headroom, self.pool))
         return self.layers[layer_idx]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs

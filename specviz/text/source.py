@@ -31,7 +31,7 @@ class CausalLMDecoder(SlottedDecoder):
 
     def _new_cache(self) -> BufferedCache:
         graphed = getattr(self.model, "graphed_forward", None)  # set by models.graphed.attach on CUDA
-        return BufferedCache(kv_dtype=self.kv_dtype) if graphed is None else StaticCache(graphed, self._max_batch)
+        return BufferedCache(kv_dtype=self.kv_dtype, pooled=True) if graphed is None else StaticCache(graphed, self._max_batch)
 
     def _new_prompt_cache(self) -> BufferedCache:
         # a prompt's entry is stored for reuse: exactly its own slots, not a workspace

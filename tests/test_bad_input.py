@@ -46,6 +46,27 @@ def test_nan_and_inf_logits_are_named(mode, bad, what):
         verify(mode, tokens, draft, target, SamplingConfig(temperature=1.0), g)
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.7), SamplingConfig(temperature=0.7, top_k=5),
+                                      SamplingConfig(temperature=0)], ids=["temperature", "top-k", "greedy"])
+def test_exact_names_the_first_bad_row_on_each_of_its_paths(sampling):
+    """exact checks its logits from the normalizers it computes (the C++ pass gives a bad row a non-finite one)
+    where it runs there, up front elsewhere: the same message either way, the draft's before the target's."""
+    g = torch.Generator().manual_seed(1)
+    draft, target = torch.randn(3, 2, 40, generator=g), torch.randn(3, 3, 40, generator=g)
+    tokens = torch.zeros(3, 2, dtype=torch.long)
+    nan_draft, inf_target, masked_target = draft.clone(), target.clone(), target.clone()
+    nan_draft[2, 1, 39] = float("nan")
+    inf_target[1, 0, 3] = float("inf")
+    masked_target[0, 2] = float("-inf")
+    for d, t, message in [(nan_draft, target, r"draft logits contain NaN at index \[2, 1\]"),
+                          (draft, inf_target, r"target logits contain \+inf at index \[1, 0\]"),
+                          (draft, masked_target, r"target logits contain only -inf .* at index \[0, 2\]"),
+                          (nan_draft, inf_target, r"draft logits contain NaN")]:
+        with pytest.raises(InvalidLogitsError, match=message):
+            verify("exact", tokens, d, t, sampling, g)
+    assert verify("exact", tokens, draft, target, sampling, g).n_accepted.shape == (3,)  # valid logits pass
+
+
 def test_all_masked_row_is_refused():
     draft = torch.randn(1, 2, 10)
     draft[0, 1] = float("-inf")

@@ -111,6 +111,31 @@ def test_argmax_is_torchs_on_ties_nan_infinities_and_strided_rows(path):
     assert sampling.argmax(odd).tolist() == [int(odd[0].argmax()), 500, 0, 999, 3, 9]
 
 
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.8, top_k=20),
+                                 SamplingConfig(temperature=0)], ids=["temperature", "top-k", "greedy"])
+def test_draw_checked_on_the_cpu_draws_as_draw_and_names_a_bad_row(cfg):
+    """The CPU's sampled draw checks its rows from the normalizers it computes (a bad row's token -1), greedy
+    up front: the same tokens as draw from the same generator state, and each kind of bad row named."""
+    from specviz.sampling import InvalidLogitsError, draw, draw_checked
+
+    z = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2))
+    want = draw(z, cfg, torch.Generator().manual_seed(3)).tolist()
+    assert draw_checked(z, cfg, torch.Generator().manual_seed(3), "draft") == want
+    for value, what, row in [(float("nan"), "NaN", 2), (float("inf"), r"\+inf", 1), (float("-inf"), "only -inf", 3)]:
+        bad = z.clone()
+        if value == float("-inf"):
+            bad[row] = value
+        else:
+            bad[row, 7] = value
+        with pytest.raises(InvalidLogitsError, match=rf"draft logits contain {what}.* at index \[{row}\]"):
+            draw_checked(bad, cfg, torch.Generator().manual_seed(3), "draft")
+    if not cfg.greedy:  # finite logits that overflow once divided by a tiny temperature
+        huge = z.clone()
+        huge[1, 3] = 3e38
+        with pytest.raises(InvalidLogitsError, match=r"draft logits at row 1 overflow"):
+            draw_checked(huge, SamplingConfig(temperature=0.01), torch.Generator().manual_seed(3), "draft")
+
+
 @pytest.mark.gpu
 def test_draw_checked_reads_tokens_and_finiteness_back_once_on_gpu():
     """On a GPU the draw and the logits check share one readback: the same tokens as draw from the same

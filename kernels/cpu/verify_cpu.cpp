@@ -12,8 +12,9 @@
 // Lanes: 16 fp32 lanes, summed in fp64 (GCC vector extensions: AVX-512, two AVX2 registers or SSE, whatever the build
 // has), each doing the same IEEE operations in the same order on every build: no contraction into FMAs,
 // a polynomial exp of our own, a fixed reduction tree. Every row is computed alone, so a row's result does
-// not depend on the batch it is in. Inputs were checked by the caller (no NaN or +inf; every row has a
-// finite value).
+// not depend on the batch it is in. specviz_row_lse gives a row holding a NaN NaN, one holding +inf +inf and one
+// without a finite value -inf, so that its caller checks the logits from its result, and specviz_sample_rows
+// gives such a row the token -1; the other passes take checked inputs (no NaN or +inf; a finite value a row).
 
 #include <math.h>
 #include <stdint.h>
@@ -96,13 +97,18 @@ inline vf load(const float* row, int64_t i, int64_t V) {
 
 float row_lse(const float* row, int64_t V, float scale) {
     vf top = splat(-INFINITY);
+    vi nan = vi{};
     for (int64_t i = 0; i < V; i += L) {
         const vf v = load(row, i, V);
         top = v > top ? v : top;
+        nan |= v != v;
     }
     float zmax = -INFINITY;
-    for (int k = 0; k < L; ++k) zmax = top[k] > zmax ? top[k] : zmax;
-    if (zmax == -INFINITY) return -INFINITY;
+    for (int k = 0; k < L; ++k) {
+        if (nan[k]) return NAN;  // a bad row says so by its result: the caller need not read the logits again
+        zmax = top[k] > zmax ? top[k] : zmax;
+    }
+    if (zmax == INFINITY || zmax == -INFINITY) return zmax;
     const float m = zmax * scale;  // = max(scale·z): multiplying by scale > 0 keeps the order
     Acc acc;
     for (int64_t i = 0; i < V; i += L) acc.add(exp_nonpositive(load(row, i, V) * splat(scale) - splat(m)));
@@ -244,7 +250,7 @@ void specviz_sample_rows(const float* z, int64_t rows, int64_t V, int64_t stride
         for (int64_t r = 0; r < rows; ++r) {
             const float* row = z + r * stride;
             const float lse = row_lse(row, V, scale);
-            token[r] = pick(row, row, V, scale, lse, lse, 0.0f, u[r], masses.data());
+            token[r] = isfinite(lse) ? pick(row, row, V, scale, lse, lse, 0.0f, u[r], masses.data()) : -1;
         }
     }
 }

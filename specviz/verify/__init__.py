@@ -173,18 +173,19 @@ def verify_batch(
         return verify_kernels(meta.mode, draft_tokens, draft_logits, target_logits, meta.sampling, generator,
                                meta.lenience, meta.sigmoid_alpha, meta.sigmoid_beta)
     _check_token_range(draft_tokens, target_logits.shape[-1])
-    check_logits(draft_logits, "draft")
-    check_logits(target_logits, "target")
     return VerifyResult.of(_verify_torch(meta, draft_tokens, draft_logits, target_logits, generator))
 
 
 def _verify_torch(meta: VerifyMetadata, draft_tokens: torch.Tensor, draft_logits: torch.Tensor,
                   target_logits: torch.Tensor, generator: torch.Generator | None) -> Verdict:
-    """The torch path of every mode (draft_tokens [B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V])."""
+    """The torch path of every mode (draft_tokens [B, γ], draft_logits [B, γ, V], target_logits [B, γ+1, V]), the
+    logits checked on the way (InvalidLogitsError names the tensor and its first bad row)."""
     lengths = _lengths(meta.draft_lengths, draft_tokens)  # [B]
     if meta.mode == "baseline":
+        check_logits(draft_logits, "draft")
+        check_logits(target_logits, "target")
         return verify_baseline(draft_tokens, draft_logits, target_logits, lengths, meta.sampling, generator,
                                meta.lenience)
     return verify_tiled(draft_tokens, draft_logits, target_logits, lengths, meta.sampling, generator,
                         lenience=meta.lenience, sigmoid=meta.sigmoid, tile=meta.tile_size,
-                        native=meta.backend == "auto")
+                        native=meta.backend == "auto", checked=False)

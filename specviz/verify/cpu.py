@@ -20,7 +20,8 @@ def applies(*logits: torch.Tensor) -> bool:
 
 
 def row_lse(logits: torch.Tensor, scale: float) -> torch.Tensor:  # [B, R, V] -> [B, R]
-    """log Σ exp(scale·z) over the last dimension of every row."""
+    """log Σ exp(scale·z) over the last dimension of every row; NaN for a row holding a NaN, +inf for one holding
+    +inf, -inf for one without a finite value (the caller checks the logits from these)."""
     B, R, V = logits.shape
     out = torch.empty((B, R), dtype=torch.float32)
     native.library().specviz_row_lse(logits.data_ptr(), B, R, V, logits.stride(0), logits.stride(1), scale,

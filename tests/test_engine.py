@@ -265,3 +265,19 @@ def test_draft_confidence_stops_rows_at_different_points_and_stays_exact(tiny_pa
         by_step.setdefault(d.step, []).append(d.gamma)
     assert any(len(set(g)) > 1 for g in by_step.values())  # rows of one iteration drafted different counts
     assert all(1 <= d.gamma <= 8 for d in trace.decisions())
+
+
+def test_rows_after_leaving_keep_rows_in_place_and_fill_from_the_end():
+    """Rows that stay keep their places where they can; each leaver's place goes to a row past the new end."""
+    from specviz.decoding.engine import _rows_after_leaving
+
+    assert _rows_after_leaving([True] * 4) == [0, 1, 2, 3]
+    assert _rows_after_leaving([False, True, True, True]) == [3, 1, 2]
+    assert _rows_after_leaving([True, False, False, True]) == [0, 3]
+    assert _rows_after_leaving([True, True, False, False]) == [0, 1]
+    assert _rows_after_leaving([False, False, False, True]) == [3]
+    assert _rows_after_leaving([False, False]) == []
+    for stays in ([True, False, True, False, True], [False, True, False, True, True, False]):
+        rows = _rows_after_leaving(stays)
+        assert sorted(rows) == [r for r, s in enumerate(stays) if s]
+        assert all(r == i or r >= len(rows) for i, r in enumerate(rows))  # what the caches move in place

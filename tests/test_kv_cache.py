@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, WhisperConfig, WhisperForConditionalGeneration
 
+from specviz.decoding.engine import _rows_after_leaving
 from specviz.models import cpu_attention, cpu_kernels
 from specviz.models.kv_cache import BufferedCache, BufferedLayer
 from specviz.models.prompt_cache import PromptCache
@@ -83,6 +84,14 @@ def _drive(new: CausalLMDecoder, old: CausalLMDecoder, prompts: list[list[int]],
             new.select(rows)
             old.select(rows)
             _same_cache(new, old)
+        if step == 6 and new.batch > 2:  # the first row leaves as the engine orders it: the last takes its place
+            rows = _rows_after_leaving([False] + [True] * (new.batch - 1))
+            assert rows == [new.batch - 1] + list(range(1, new.batch - 1))
+            before = new.cache.layers[0]._keys.data_ptr()
+            new.select(rows)
+            old.select(rows)
+            _same_cache(new, old)
+            assert new.cache.layers[0]._keys.data_ptr() == before  # in place: one row copied, nothing reallocated
     slots, holes = new.cache_use()
     assert (slots, holes) == old.cache_use()
     return holes
@@ -99,6 +108,14 @@ def test_ragged_batch_and_prompt_merge_match_dynamic_cache(model):
     g = torch.Generator().manual_seed(3)
     prompts = [_tokens(g, n) for n in (12, 5, 21)]
     assert _drive(CausalLMDecoder(model, VOCAB, 3), DynamicDecoder(model, VOCAB, 3), prompts, seed=4) > 0
+
+
+def test_rows_leaving_in_the_engines_order_match_dynamic_cache(model):
+    """Five rows: a middle one leaves, the first leaves with the last copied, then the first leaves as the engine
+    orders it (the last row takes its place, in place)."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [_tokens(g, n) for n in (6, 13, 9, 4, 11)]
+    _drive(CausalLMDecoder(model, VOCAB, 5), DynamicDecoder(model, VOCAB, 5), prompts, seed=12, steps=8)
 
 
 def test_prompt_cache_and_shared_prefill_match_dynamic_cache(model):

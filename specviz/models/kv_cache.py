@@ -9,7 +9,7 @@ new entries. The views hold the same numbers as DynamicCache's tensors, and atte
 same order, so a position's logits are the same bits (tests/test_kv_cache.py).
 
 Everything the slotted decoder asks of a cache works in place or by a copy of the used length only: `crop`
-(a shorter view), `batch_select_indices` (rows leaving move down in place; rows that repeat, a copy), and
+(a shorter view), `batch_select_indices` (rows leaving: the others move in place; rows that repeat, a copy), and
 `place_rows` (prompts prefilled one by one, merged left-padded).
 """
 
@@ -130,14 +130,19 @@ class BufferedLayer(DynamicLayer):
         self.length = max(0, self.length + tokens_to_remove)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """indices LongTensor[b]: keep these rows, in this order (a row may repeat). Rows leaving a batch (indices
-        increasing) move in place: each kept row that is not already where it belongs is copied down, and the
-        buffers become their first b rows (a view); otherwise the used slots are copied into new buffers of the
-        same capacity. (Copying every kept row anew took ~10 ms a finished row on a 4-row batch of ~800 tokens.)"""
+        """indices LongTensor[b]: keep these rows, in this order (a row may repeat). Rows leaving a batch move in
+        place where no row is read after it is written: kept rows increasing (each copied down), or each kept row
+        where it is or taken from beyond the first b (the engine's order: the rows past the new batch fill the
+        leavers' places, one row copied a leaver); the buffers become their first b rows (a view). Otherwise the
+        used slots are copied into new buffers of the same capacity. (Copying every kept row anew took ~10 ms a
+        finished row on a 4-row batch of ~800 tokens.)"""
         if self._keys is None:
             return
         kept = indices.tolist()
-        if all(a < b for a, b in zip(kept, kept[1:])) and (not kept or kept[-1] < self._keys.shape[0]):
+        b = len(kept)
+        in_place = (all(x < y for x, y in zip(kept, kept[1:]))
+                    or (len(set(kept)) == b and all(k == r or k >= b for r, k in enumerate(kept))))
+        if in_place and (not kept or max(kept) < self._keys.shape[0]):
             for row, source in enumerate(kept):
                 if row != source:
                     self._keys[row, :, : self.length] = self._keys[source, :, : self.length]

@@ -31,7 +31,9 @@ class CausalLMDecoder(SlottedDecoder):
 
     def _new_cache(self) -> BufferedCache:
         graphed = getattr(self.model, "graphed_forward", None)  # set by models.graphed.attach on CUDA
-        return BufferedCache(kv_dtype=self.kv_dtype, pooled=True) if graphed is None else StaticCache(graphed, self._max_batch)
+        if graphed is not None:
+            return StaticCache(graphed, self._max_batch)
+        return BufferedCache(kv_dtype=self.kv_dtype, pooled=True)  # a decoding cache: on 2 MB pages
 
     def _new_prompt_cache(self) -> BufferedCache:
         # a prompt's entry is stored for reuse: exactly its own slots, not a workspace

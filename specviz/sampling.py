@@ -65,12 +65,9 @@ def sample(std_logits: torch.Tensor, generator: torch.Generator | None, greedy: 
         return argmax(std_logits)
     V = std_logits.shape[-1]
     rows = std_logits.reshape(-1, V)  # [R, V]
-    u = torch.rand((rows.shape[0],), generator=generator, device=rows.device)  # [R]
     if _native_rows(rows):
-        picked = torch.empty((rows.shape[0],), dtype=torch.long)
-        native.library().specviz_sample_rows(rows.data_ptr(), rows.shape[0], V, rows.stride(0), 1.0, u.data_ptr(),
-                                             picked.data_ptr(), torch.get_num_threads())
-        return picked.reshape(std_logits.shape[:-1])
+        return _sample_native(rows, generator, 1.0).reshape(std_logits.shape[:-1])
+    u = torch.rand((rows.shape[0],), generator=generator, device=rows.device)  # [R]
     probs = rows.softmax(dim=-1)
     cdf = probs.double().cumsum(dim=-1)
     picked = torch.searchsorted(cdf, u.double().unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)  # cdf > goal
@@ -125,8 +122,23 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return index.reshape(logits.shape[:-1])
 
 
+def _sample_native(rows: torch.Tensor, generator: torch.Generator | None, scale: float) -> torch.Tensor:
+    """sample's C++ path: a token of softmax(scale · rows) per row (rows [R, V] fp32, V contiguous) -> [R]."""
+    u = torch.rand((rows.shape[0],), generator=generator)  # [R]
+    picked = torch.empty((rows.shape[0],), dtype=torch.long)
+    native.library().specviz_sample_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), scale,
+                                         u.data_ptr(), picked.data_ptr(), torch.get_num_threads())
+    return picked
+
+
 def draw(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """Sample from the standardized distribution of raw logits (argmax when greedy, without standardizing)."""
+    """Sample from the standardized distribution of raw logits (argmax when greedy, without standardizing). At a
+    temperature alone, fp32 CPU rows are drawn at scale 1/T in C++, as exact verification scales them: the draw
+    and the acceptance ratio read the same scaled logits z · (1/T) and the same normalizer (verify.cpu.row_lse),
+    where z / T computed first could differ in the last bit; and no scaled copy of the logits is made."""
     if cfg.greedy:
         return argmax(logits)
+    rows = logits.reshape(-1, logits.shape[-1])  # [R, V]
+    if cfg.temperature_only and _native_rows(rows):
+        return _sample_native(rows, generator, 1.0 / cfg.temperature).reshape(logits.shape[:-1])
     return sample(standardize(logits, cfg), generator, greedy=False)

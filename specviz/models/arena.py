@@ -35,14 +35,24 @@ def _advise_huge_pages(address: int, length: int) -> None:
         pass
 
 
+def _mapping(nbytes: int) -> mmap.mmap:
+    """Anonymous memory for nbytes from a 2 MB boundary on (with room to reach one)."""
+    return mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _on_huge_pages(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] of `mapping` from its first 2 MB boundary on, marked for 2 MB pages (again on a reused
+    mapping: the advice is idempotent); the tensor holds the mapping (torch.frombuffer)."""
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = (-whole.data_ptr()) % HUGE_PAGE  # the first 2 MB boundary: whole huge pages from there
+    _advise_huge_pages(whole.data_ptr() + start, nbytes)
+    return whole[start: start + nbytes]
+
+
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
     """Fresh zeroed memory, uint8 [nbytes], from a 2 MB boundary on, marked for 2 MB pages; unmapped when no
-    tensor of it is left (torch.frombuffer holds the mapping)."""
-    size = nbytes + HUGE_PAGE  # room to start on a 2 MB boundary
-    whole = torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
-    start = (-whole.data_ptr()) % HUGE_PAGE  # the first 2 MB boundary: whole huge pages from there
-    _advise_huge_pages(whole.data_ptr() + start, size - start)
-    return whole[start: start + nbytes]
+    tensor of it is left."""
+    return _on_huge_pages(_mapping(nbytes), nbytes)
 
 
 def footprint(tensors: list[torch.Tensor]) -> int:
@@ -87,13 +97,11 @@ class _IdleChunks:
         with self._lock:
             mapping = self._idle.pop() if self._idle else None
         if mapping is None:
-            mapping = mmap.mmap(-1, Pool.CHUNK + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        whole = torch.frombuffer(mapping, dtype=torch.uint8)
-        start = (-whole.data_ptr()) % HUGE_PAGE
-        _advise_huge_pages(whole.data_ptr() + start, Pool.CHUNK)  # again on a reused mapping: advice is idempotent
+            mapping = _mapping(Pool.CHUNK)
+        chunk = _on_huge_pages(mapping, Pool.CHUNK)
         # the storage outlives every view of it (torch keeps one Python object per storage): its end is the chunk's
-        weakref.finalize(whole.untyped_storage(), self._give_back, mapping)
-        return whole[start: start + Pool.CHUNK]
+        weakref.finalize(chunk.untyped_storage(), self._give_back, mapping)
+        return chunk
 
     def _give_back(self, mapping: mmap.mmap) -> None:
         with self._lock:

@@ -55,7 +55,9 @@ def test_a_streamed_run_streams_text_on_a_budget_and_ends_with_the_whole_run(tin
     time); the trace grows frame to frame and the last one is the whole run. Before them, one frame per model says
     it has read the input."""
     source = prompts_source(tiny_pair, [prompt_ids])
-    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=120, gamma_policy="constant", gamma_init=2)
+    # long enough for three frames MIN_TEXT_GAP_S apart with room to spare: 120 tokens took 0.8 s on a quiet 2-core
+    # host once each draw stopped copying and re-reading its logits, two frames
+    cfg = SpecConfig(sampling=SAMPLED, max_new_tokens=360, gamma_policy="constant", gamma_init=2)
     frames, reading = [], []
     for frame in page._streamed(source, cfg, {}, sessions.StopFlag()):
         if frame.reading is not None:  # the prefill's progress, before any iteration

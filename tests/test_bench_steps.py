@@ -4,6 +4,7 @@ multiply-adds a step is credited with, and a reduced draft head counted as a run
 import pytest
 import torch
 
+from specviz.bench import steps
 from specviz.bench.steps import linear_params, step_costs, weight_bytes
 from specviz.decoding.drafts import subset_head
 from specviz.models import cpu_kernels, lean
@@ -30,7 +31,7 @@ def test_steps_are_timed_per_token_count_and_leave_the_cache_as_they_found_it(ti
         assert s["ratio"] == pytest.approx(s["seconds"] / costs["steps"][0]["seconds"])
 
 
-def test_a_reduced_head_is_credited_with_its_rows_only(tiny_4bit):
+def test_a_reduced_head_is_credited_with_its_rows_only(tiny_4bit, monkeypatch):
     head = subset_head(tiny_4bit, 512, 64, {511, 300})  # the first 64 ids, EOS and one more
     assert head.size == 66
     full = tiny_4bit.get_output_embeddings()
@@ -41,9 +42,14 @@ def test_a_reduced_head_is_credited_with_its_rows_only(tiny_4bit):
     counting = type(head).__call__
     head.__class__ = type("CountingHead", (type(head),),
                           {"__call__": lambda self, hidden: scored.append(hidden.shape) or counting(self, hidden)})
+    timed = []  # its matmul counted inside the linear layers, not as "other" (it sits outside the model)
+    real_linear_time = steps.linear_time
+    monkeypatch.setattr(steps, "linear_time", lambda model, extra=(): timed.append(list(extra))
+                        or real_linear_time(model, extra))
     costs = step_costs(tiny_4bit, 512, list(range(5, 45)), [1, 3], repeat=2, warmup=1, head=head)
     assert [s["tokens"] for s in costs["steps"]] == [1, 3]
     assert scored and {shape[1] for shape in scored} >= {1, 3}
+    assert timed == [[head.linear]] * 2
 
 
 def test_dense_weights_count_their_own_bytes():
@@ -85,3 +91,15 @@ def test_a_kernel_variant_takes_turns_with_the_project_library(tmp_path):
     with pytest.raises(native.KernelBuildError):
         native.load_variant(tmp_path / "cpu")
     assert native.library() is own
+
+
+def test_the_read_ceiling_is_measured_on_the_pages_the_weights_live_on(monkeypatch):
+    """The roofline's bandwidth reads 2 MB-page memory, as the packed weights are placed (models/arena.py), and is
+    a rate a memory system can give: above a slow disk's, below any DRAM's."""
+    from specviz.bench import roofline
+
+    placed, real = [], roofline.arena.huge_page_bytes
+    monkeypatch.setattr(roofline.arena, "huge_page_bytes", lambda nbytes: placed.append(nbytes) or real(nbytes))
+    rate = roofline.read_bandwidth(gib=0.25, repeat=3)
+    assert placed == [2**28]
+    assert 1e9 < rate < 2e12

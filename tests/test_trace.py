@@ -271,3 +271,19 @@ def test_exports_from_many_sessions_and_processes_at_once_never_fail(monkeypatch
         t.join()
     assert other.wait(timeout=120) == 0 and errors == []
     assert len(list((tmp_path / "exports").iterdir())) <= page.EXPORTS_KEPT + 2  # pruned, give or take a race
+
+
+def test_median_verify_time_counts_only_iterations_that_verified(trace):
+    """The page labels it "µs per verify call": plain steps (γ = 0) call no verification, and where the cost
+    policy steps plainly in most iterations a median over every step read 0."""
+    import dataclasses
+    import statistics
+
+    drafting = [s for s in trace.steps if s.gamma > 0]
+    assert drafting
+    plain = [dataclasses.replace(s, index=len(trace.steps) + i, gamma=0, verify_s=0.0)
+             for i, s in enumerate(drafting * 2)]  # twice as many plain steps as verifying ones
+    mixed = dataclasses.replace(trace, steps=trace.steps + plain)
+    expected = 1e3 * statistics.median(s.verify_s for s in drafting)
+    assert mixed.summary()["median_verify_ms"] == pytest.approx(expected)
+    assert expected > 0

@@ -85,9 +85,15 @@ def draw_checked(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gen
     """draw's tokens as a list, logits [R, V] checked as check_logits does. On a GPU in one readback: the tokens
     and each row's finiteness come back together (each readback waits for the device). A sampled draw in C++
     marks a row it cannot normalize (token -1) instead of drawing from it, so its logits are read once more only
-    then (a pass of 0.03 ms over a 4-row draw's 151,936 logits a row, in cache); elsewhere the check comes first."""
+    then (a pass of 0.03 ms over a 4-row draw's 151,936 logits a row, in cache); a greedy draw checks the value
+    at its argmax (argmax_is_finite); elsewhere the check comes first."""
     if not logits.is_cuda:
-        if cfg.greedy or not _native_rows(logits):
+        if cfg.greedy:
+            tokens = argmax(logits)  # [R]
+            if not bool(argmax_is_finite(logits, tokens).all()):
+                check_logits(logits, name)  # raises, naming the row
+            return tokens.tolist()
+        if not _native_rows(logits):
             check_logits(logits, name)
             return draw(logits, cfg, generator).tolist()
         tokens = draw(logits, cfg, generator).tolist()
@@ -120,6 +126,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     native.library().specviz_row_argmax(rows.data_ptr(), rows.shape[0], V, rows.stride(0), index.data_ptr(),
                                         torch.get_num_threads())
     return index.reshape(logits.shape[:-1])
+
+
+def argmax_is_finite(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Whether each row of logits [..., V] is usable, read from its argmax index [...] alone: argmax takes a row's
+    first NaN as its largest value, then +inf; a row of only -inf has its maximum -inf. So a row holds NaN, +inf,
+    or nothing finite exactly when the value at its argmax is not finite: what check_logits learns from a pass
+    over the vocabulary (15-31 µs for 1-4 rows of 151,936 logits in cache, against 7 µs). Returns BoolTensor[...]."""
+    return torch.isfinite(logits.gather(-1, index.unsqueeze(-1)).squeeze(-1))
 
 
 def _sample_native(rows: torch.Tensor, generator: torch.Generator | None, scale: float) -> torch.Tensor:

@@ -115,7 +115,8 @@ def test_argmax_is_torchs_on_ties_nan_infinities_and_strided_rows(path):
                                  SamplingConfig(temperature=0)], ids=["temperature", "top-k", "greedy"])
 def test_draw_checked_on_the_cpu_draws_as_draw_and_names_a_bad_row(cfg):
     """The CPU's sampled draw checks its rows from the normalizers it computes (a bad row's token -1), greedy
-    up front: the same tokens as draw from the same generator state, and each kind of bad row named."""
+    from the value at its argmax: the same tokens as draw from the same generator state, and each kind of bad
+    row named."""
     from specviz.sampling import InvalidLogitsError, draw, draw_checked
 
     z = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2))
@@ -134,6 +135,30 @@ def test_draw_checked_on_the_cpu_draws_as_draw_and_names_a_bad_row(cfg):
         huge[1, 3] = 3e38
         with pytest.raises(InvalidLogitsError, match=r"draft logits at row 1 overflow"):
             draw_checked(huge, SamplingConfig(temperature=0.01), torch.Generator().manual_seed(3), "draft")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["native", "torch"])
+def test_a_rows_argmax_value_says_whether_the_row_is_usable(dtype):
+    """argmax_is_finite against check_logits' definition (no NaN, no +inf, something finite), on the C++ argmax
+    (fp32) and torch's (fp64), with the bad value before, at and after the row's finite maximum."""
+    from specviz.sampling import argmax, argmax_is_finite
+
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for place in (0, 50, 999):
+        for value in (float("nan"), float("inf")):
+            row = torch.randn(1000, generator=g, dtype=dtype)
+            row[place] = value
+            rows.append(row)
+    masked = torch.full((1000,), float("-inf"), dtype=dtype)
+    partly = masked.clone()
+    partly[999] = -1e30  # one finite value among -inf: usable
+    both = torch.randn(1000, generator=g, dtype=dtype)
+    both[10], both[20] = float("inf"), float("nan")
+    rows += [masked, partly, both, torch.randn(1000, generator=g, dtype=dtype)]
+    z = torch.stack(rows)
+    usable = [bool(torch.isfinite(r).any()) and not bool(torch.isnan(r).any() or torch.isposinf(r).any()) for r in z]
+    assert argmax_is_finite(z, argmax(z)).tolist() == usable == [False] * 6 + [False, True, False, True]
 
 
 @pytest.mark.gpu

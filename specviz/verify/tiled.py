@@ -18,10 +18,12 @@ which is a reduction, and the residual max(0, p - q) is one-hot at the target's 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from specviz.config import SamplingConfig
-from specviz.sampling import argmax, check_logits, standardize
+from specviz.sampling import argmax, argmax_is_finite, check_logits, standardize
 from specviz.verify import cpu
 from specviz.verify.verdict import Verdict, accept_probs
 
@@ -143,9 +145,8 @@ def verify_tiled(draft_tokens: torch.Tensor, draft_logits: torch.Tensor, target_
         check_logits(given[1], "target")
 
     if sampling.greedy:
-        if not checked:
-            check()
-        return _verify_greedy(draft_tokens, draft_logits, target_logits, drafted, lengths, generator, lenience)
+        return _verify_greedy(draft_tokens, draft_logits, target_logits, drafted, lengths, generator, lenience,
+                              None if checked else check)
     if sampling.temperature_only:
         scale = 1.0 / sampling.temperature
     else:
@@ -188,11 +189,17 @@ def _verify_greedy(
     lengths: torch.Tensor,  # LongTensor[B]
     generator: torch.Generator | None,
     lenience: float,
+    check: Callable[[], None] | None = None,
 ) -> Verdict:
-    """Temperature 0: both distributions are one-hot, so only argmaxes are needed (same for both modes)."""
+    """Temperature 0: both distributions are one-hot, so only argmaxes are needed (same for both modes). check:
+    where the caller has not checked the logits, what names a bad row; called only where a value at an argmax
+    is not finite, which is where a row is bad (sampling.argmax_is_finite)."""
     B, gamma = draft_tokens.shape
     p_arg = argmax(target_logits)  # [B, γ+1]
     q_arg = argmax(draft_logits)  # [B, γ]
+    if check is not None and not bool(argmax_is_finite(draft_logits, q_arg).all()
+                                      and argmax_is_finite(target_logits, p_arg).all()):
+        check()
     p_x = (draft_tokens == p_arg[:, :gamma]).float()
     q_x = (draft_tokens == q_arg).float()
     ratio = p_x / (lenience * q_x)

@@ -75,74 +75,141 @@ void score_rows(const uint32_t* q, int64_t first, int64_t L, const uint32_t* kp,
     }
 }
 
+// A row's scores S..Sp-1 are padding: lanes masked out of the maximum and the sum, probabilities 0.
+inline __mmask16 lanes(int64_t j, int64_t S) {
+    if (j + 16 <= S) return static_cast<__mmask16>(0xFFFF);
+    return j >= S ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << (S - j)) - 1);
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
 #define SPECVIZ_ENCODER_AMX 1
 // score_rows on AMX's tiles where the CPU has AMX-BF16 (Intel, Sapphire Rapids on) and Linux grants them: C [AMX_ROWS
-// queries, 16 keys] fp32 += A [AMX_ROWS, 32 bf16 of q] · B [16 pairs, 16 keys] per 32 dimensions, B read in place from
-// the packed keys (kp's row p holds 16 keys' pair p side by side: B's layout). Each product of two bf16 numbers is
-// exact in fp32 either way, but the tile unit adds a pair's two products in its own order, so the scores are not
-// the dot-product instructions' bits: against float64 the same error (1.4e-5 / 5.5e-6 at D 64 / 128, 1,500 and 200
-// keys, against 1.4e-5 / 1.1e-5). A window's output still depends on that window alone; the encoder's bf16 products
-// (torch's, on AMX here too) already differ by machine. The 2-vCPU Xeon, 8 heads × 1,500 keys, a layer at D 32 /
-// 64 / 128: 0.71 / 0.60 / 0.60× the time.
+// queries, 16 keys] fp32 += A [AMX_ROWS, 32 bf16 of q] · B [16 pairs, 16 keys] per 32 dimensions. Each product of two
+// bf16 numbers is exact in fp32 either way, but the tile unit adds a pair's two products in its own order, so the
+// scores are not the dot-product instructions' bits: against float64 the same error (1.4e-5 / 5.5e-6 at D 64 / 128,
+// 1,500 and 200 keys, against 1.4e-5 / 1.1e-5). A window's output still depends on that window alone; the encoder's
+// bf16 products (torch's, on AMX here too) already differ by machine. The 2-vCPU Xeon, 8 heads × 1,500 keys, a layer
+// at D 32 / 64 / 128: 0.71 / 0.60 / 0.60× the time.
+//
+// Every tile the tiles read or write is one contiguous KB (blocked layouts below): a tile of 16 rows 64 bytes apart
+// takes 16 cache lines of one or two pages, where rows a whole row of keys apart (6 KB at 1,500 keys) took 16 pages.
+// With the softmax and the split of its probabilities in one pass, and the next task's scores on the tiles while the
+// vector units work through it (softmax_parts), a layer (8 heads, 1,500 frames, D 64) took 8.36 against 9.14 ms on
+// the 2-vCPU Xeon side by side: the same numbers in the same order, the same bits.
 constexpr int64_t AMX_ROWS = 16;  // query rows a task takes on tiles: a tile's 16 rows
+constexpr int64_t BLOCK = 16;     // keys a block: a score tile's columns
 
+// One head's keys as B tiles: block kb (keys 16kb … 16kb + 15), pair p: kb[(kb · D/2 + p) · 16 + j] = (k[16kb + j, 2p],
+// k[16kb + j, 2p + 1]); the 16 pairs of a 32-dimension chunk of a block are one contiguous tile. Keys S..Sp zero.
+void pack_key_blocks(const uint16_t* k, int64_t S, int64_t Sp, int64_t D, uint32_t* kb) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(k);  // [S, D / 2]
+    for (int64_t b = 0; b < Sp / BLOCK; ++b)
+        for (int64_t p = 0; p < D / 2; ++p) {
+            uint32_t* row = kb + (b * (D / 2) + p) * BLOCK;
+            for (int64_t j = 0; j < BLOCK; ++j) {
+                const int64_t key = b * BLOCK + j;
+                row[j] = key < S ? pairs[key * (D / 2) + p] : 0;
+            }
+        }
+}
+
+// A task's scores on tiles, blocked: scores[(kb · AMX_ROWS + r) · 16 + j] = q[row r] · k[16kb + j] (rows past the last
+// repeat it, as score_rows). `begin` loads the task's query rows into A tiles (tmm4 …), then `step(j0)` scores keys
+// j0 … j0 + 31 for every j0 a multiple of TILE below Sp, in any order, interleaved with other work that uses no tiles.
 template <int DV>
-void score_rows_amx(const uint32_t* q, int64_t first, int64_t L, const uint32_t* kp, int64_t Sp, float* scores) {
-    constexpr int64_t D = 16 * DV;
+struct TileScores {
+    static constexpr int64_t D = 16 * DV;
+    const uint32_t* kb = nullptr;
+    float* scores = nullptr;
     alignas(64) uint32_t rows[AMX_ROWS * (D / 2)];  // the task's query rows, the last repeated past L (as score_rows)
-    for (int64_t r = 0; r < AMX_ROWS; ++r)
-        memcpy(rows + r * (D / 2), q + (first + r < L ? first + r : L - 1) * (D / 2), D * 2);
-    // tile numbers are immediates (gcc pastes them into the assembly): A's 32-dimension chunks in tmm4 …, keys'
-    // B tiles in tmm2 / tmm3, the two 16-key halves of a TILE's scores in tmm0 / tmm1
-    _tile_loadd(4, rows, D * 2);
-    if constexpr (DV >= 4) _tile_loadd(5, rows + 16, D * 2);
-    if constexpr (DV >= 8) {
-        _tile_loadd(6, rows + 32, D * 2);
-        _tile_loadd(7, rows + 48, D * 2);
+
+    void begin(const uint32_t* q, int64_t first, int64_t L, const uint32_t* keys, float* out) {
+        kb = keys;
+        scores = out;
+        for (int64_t r = 0; r < AMX_ROWS; ++r)
+            memcpy(rows + r * (D / 2), q + (first + r < L ? first + r : L - 1) * (D / 2), D * 2);
+        // tile numbers are immediates (gcc pastes them into the assembly): A's 32-dimension chunks in tmm4 …, keys'
+        // B tiles in tmm2 / tmm3, the two 16-key blocks of a TILE's scores in tmm0 / tmm1
+        _tile_loadd(4, rows, D * 2);
+        if constexpr (DV >= 4) _tile_loadd(5, rows + 16, D * 2);
+        if constexpr (DV >= 8) {
+            _tile_loadd(6, rows + 32, D * 2);
+            _tile_loadd(7, rows + 48, D * 2);
+        }
     }
-    const int64_t stride = Sp * 4;
-#define SPECVIZ_KEYS_CHUNK(a_tile, c)                                 \
-    _tile_loadd(2, kp + (16 * (c)) * Sp + j0, stride);                \
-    _tile_loadd(3, kp + (16 * (c)) * Sp + j0 + 16, stride);           \
-    _tile_dpbf16ps(0, a_tile, 2);                                     \
+
+    void step(int64_t j0) const {
+#define SPECVIZ_KEYS_CHUNK(a_tile, c)                                          \
+    _tile_loadd(2, kb + ((j0 / BLOCK) * (D / 2) + 16 * (c)) * BLOCK, 64);      \
+    _tile_loadd(3, kb + ((j0 / BLOCK + 1) * (D / 2) + 16 * (c)) * BLOCK, 64);  \
+    _tile_dpbf16ps(0, a_tile, 2);                                              \
     _tile_dpbf16ps(1, a_tile, 3);
-    for (int64_t j0 = 0; j0 < Sp; j0 += TILE) {
         _tile_zero(0);
         _tile_zero(1);
         SPECVIZ_KEYS_CHUNK(4, 0)
         if constexpr (DV >= 4) { SPECVIZ_KEYS_CHUNK(5, 1) }
         if constexpr (DV >= 8) { SPECVIZ_KEYS_CHUNK(6, 2) SPECVIZ_KEYS_CHUNK(7, 3) }
-        _tile_stored(0, scores + j0, stride);
-        _tile_stored(1, scores + j0 + 16, stride);
-    }
+        _tile_stored(0, scores + (j0 / BLOCK) * AMX_ROWS * BLOCK, 64);
+        _tile_stored(1, scores + (j0 / BLOCK + 1) * AMX_ROWS * BLOCK, 64);
 #undef SPECVIZ_KEYS_CHUNK
+    }
+};
+
+// Each of AMX_ROWS rows' maximum scale · score, from blocked scores (padding lanes left out)
+void row_shifts(const float* scores, int64_t S, int64_t Sp, float scale, float* shift) {
+    __m512 m[AMX_ROWS];
+    for (int64_t r = 0; r < AMX_ROWS; ++r) m[r] = _mm512_set1_ps(-INFINITY);
+    for (int64_t b = 0; b < Sp / BLOCK; ++b)
+        for (int64_t r = 0; r < AMX_ROWS; ++r)
+            m[r] = _mm512_mask_max_ps(m[r], lanes(b * BLOCK, S), m[r], _mm512_loadu_ps(scores + (b * AMX_ROWS + r) * BLOCK));
+    for (int64_t r = 0; r < AMX_ROWS; ++r) shift[r] = _mm512_reduce_max_ps(m[r]) * scale;
+}
+
+// The blocked scores of AMX_ROWS rows -> each row's e^(scale · s - shift) as three bf16 parts, p = hi + mid + lo (hi =
+// bf16(p), mid = bf16(p - hi), lo = bf16 of the rest: 24 bits, all of p's), written as A tiles: part[(c · AMX_ROWS +
+// r) · 32 + j] for keys 32c + j. sums[r] = the row's sum. Row by row the operations of a softmax over a row and a
+// split of its fp32 probabilities, on the same vectors in the same order (the same bits), without the probabilities
+// written and read again. After each TILE of keys, `between(j0)`: the next task's score tiles (TileScores::step),
+// which the tile unit works through while these vector instructions run (each alone, one after the other, took
+// 1.1 and 3.2 ms of an 8.1 ms layer on the 2-vCPU Xeon).
+template <typename Between>
+void softmax_parts(const float* scores, int64_t S, int64_t Sp, float scale, const float* shift, uint16_t* hi,
+                   uint16_t* mid, uint16_t* lo, float* sums, const Between& between) {
+    const __m512 factor = _mm512_set1_ps(scale);
+    __m512 sum[AMX_ROWS];
+    for (int64_t r = 0; r < AMX_ROWS; ++r) sum[r] = _mm512_setzero_ps();
+    uint16_t* parts[3] = {hi, mid, lo};
+    for (int64_t b = 0; b < Sp / BLOCK; ++b) {
+        const __mmask16 keep = lanes(b * BLOCK, S);
+        const int64_t at = (b / 2) * AMX_ROWS * TILE + (b % 2) * BLOCK;  // this block's 16 keys in a row of an A tile
+        for (int64_t r = 0; r < AMX_ROWS; ++r) {
+            const __m512 x = _mm512_loadu_ps(scores + (b * AMX_ROWS + r) * BLOCK);
+            __m512 p = _mm512_maskz_mov_ps(keep, specviz_math::exp_nonpositive(_mm512_fmsub_ps(x, factor, _mm512_set1_ps(shift[r]))));
+            sum[r] = _mm512_add_ps(sum[r], p);
+            for (uint16_t* part : parts) {  // each part the bf16 rounding of what the parts before it left
+                const __m256bh top = _mm512_cvtneps_pbh(p);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + at + r * TILE), (__m256i)top);
+                p = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)top), 16)));
+            }
+        }
+        if (b % 2) between((b / 2) * TILE);
+    }
+    for (int64_t r = 0; r < AMX_ROWS; ++r) sums[r] = _mm512_reduce_add_ps(sum[r]);
 }
 
 // Probabilities · values on tiles, for AMX_ROWS rows: C [16 rows, 16 outputs] fp32 += A [16 rows, 32 keys] · B [16
-// key pairs, 16 outputs] per 32 keys, B read in place from the values packed as key pairs (pack_value_pairs). The
-// probabilities are fp32: each is split into three bf16 numbers, p = hi + mid + lo (hi = bf16(p), mid = bf16(p - hi),
-// lo = bf16 of the rest: 24 bits, all of p's), and all three go through the tiles, each product with a bf16 value
-// exact in fp32 (one bf16 probability, 8 bits, is where bf16 attention loses: specviz.speech.encoder). Three times
-// one bf16 pass's tile work (two parts measured 6% faster a layer, but 16 bits missed fp32's accuracy). Output
-// columns in groups of 4 tiles (64): the tile registers hold 4 results, a chunk's three probability parts and its
-// values.
+// key pairs, 16 outputs] per 32 keys, A the three bf16 parts of the probabilities (softmax_parts), B read in place
+// from the values packed as key pairs (pack_value_pairs). All three parts go through the tiles, each product with a
+// bf16 value exact in fp32 (one bf16 probability, 8 bits, is where bf16 attention loses: specviz.speech.encoder).
+// Three times one bf16 pass's tile work (two parts measured 6% faster a layer, but 16 bits missed fp32's
+// accuracy). Output columns in groups of 4 tiles (64): the tile registers hold 4 results, a chunk's three
+// probability parts and its values.
 template <int DV>
-void weigh_values_amx(const float* probs, int64_t Sp, const uint16_t* vp, const float* sums, int64_t first, int64_t L,
-                      int64_t H, int64_t h, uint16_t* split, float* out) {
+void weigh_values_amx(const uint16_t* hi, const uint16_t* mid, const uint16_t* lo, int64_t Sp, const uint16_t* vp,
+                      const float* sums, int64_t first, int64_t L, int64_t H, int64_t h, float* out) {
     constexpr int64_t D = 16 * DV, GROUPS = (DV + 3) / 4, IN_GROUP = DV < 4 ? DV : 4;
-    uint16_t *hi = split, *mid = split + AMX_ROWS * Sp, *lo = split + 2 * AMX_ROWS * Sp;  // [AMX_ROWS, Sp] each
-    for (int64_t i = 0; i < AMX_ROWS * Sp; i += 16) {
-        __m512 p = _mm512_loadu_ps(probs + i);
-        uint16_t* parts[3] = {hi, mid, lo};
-        for (uint16_t* part : parts) {  // each part the bf16 rounding of what the parts before it left
-            const __m256bh top = _mm512_cvtneps_pbh(p);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + i), (__m256i)top);
-            p = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)top), 16)));
-        }
-    }
     alignas(64) float result[AMX_ROWS * D];
-    const int64_t a_stride = Sp * 2, b_stride = D * 4;  // bytes a row: Sp bf16 probabilities; a key pair's 2D values
+    const int64_t b_stride = D * 4;  // bytes a key pair's 2D values
 // tile numbers are immediates pasted into the assembly: result tile c, its values in tile 7
 #define SPECVIZ_VALUES_TILE(c)                                                               \
     if constexpr (c < IN_GROUP) {                                                            \
@@ -159,9 +226,10 @@ void weigh_values_amx(const float* probs, int64_t Sp, const uint16_t* vp, const 
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t j0 = 0; j0 < Sp; j0 += TILE) {
-            _tile_loadd(4, hi + j0, a_stride);
-            _tile_loadd(5, mid + j0, a_stride);
-            _tile_loadd(6, lo + j0, a_stride);
+            const int64_t at = (j0 / TILE) * AMX_ROWS * TILE;  // the A tile of keys j0 … j0 + 31: 1 KB
+            _tile_loadd(4, hi + at, TILE * 2);
+            _tile_loadd(5, mid + at, TILE * 2);
+            _tile_loadd(6, lo + at, TILE * 2);
             SPECVIZ_VALUES_TILE(0) SPECVIZ_VALUES_TILE(1) SPECVIZ_VALUES_TILE(2) SPECVIZ_VALUES_TILE(3)
         }
         SPECVIZ_STORE_TILE(0) SPECVIZ_STORE_TILE(1) SPECVIZ_STORE_TILE(2) SPECVIZ_STORE_TILE(3)
@@ -192,12 +260,6 @@ inline specviz_amx::TileConfig tiles_16_by_64() {  // every tile 16 rows of 64 b
     return config;
 }
 #endif
-
-// A row's scores S..Sp-1 are padding: lanes masked out of the maximum and the sum, probabilities 0.
-inline __mmask16 lanes(int64_t j, int64_t S) {
-    if (j + 16 <= S) return static_cast<__mmask16>(0xFFFF);
-    return j >= S ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << (S - j)) - 1);
-}
 
 // scores -> e^(scale · (s - max)) in place; returns their sum (lanes summed in one fixed order)
 float softmax_numerators(float* s, int64_t S, int64_t Sp, float scale) {
@@ -248,28 +310,47 @@ void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
                    float* out, int nthreads) {
     constexpr int64_t D = 16 * DV;
     const int64_t Sp = (S + TILE - 1) / TILE * TILE, heads = B * H, blocks = (S + AMX_ROWS - 1) / AMX_ROWS;
-    std::vector<uint32_t> kp(heads * (D / 2) * Sp);  // every head's keys and values packed, once
+    const int64_t tasks = heads * blocks;
+    std::vector<uint32_t> kb(heads * (D / 2) * Sp);  // every head's keys and values packed, once
     std::vector<uint16_t> vp(heads * Sp * D);
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < heads; ++bh) {
-            pack_keys(k + bh * S * D, S, Sp, D, kp.data() + bh * (D / 2) * Sp);
+            pack_key_blocks(k + bh * S * D, S, Sp, D, kb.data() + bh * (D / 2) * Sp);
             pack_value_pairs(v + bh * S * D, S, Sp, D, vp.data() + bh * Sp * D);
         }
-        std::vector<float> scores(AMX_ROWS * Sp);
-        std::vector<uint16_t> split(3 * AMX_ROWS * Sp);
-        float sums[AMX_ROWS];
+        // this thread's tasks, in order (as schedule(static)): each task's scores come in while the one before it
+        // goes through its softmax, into the other of two buffers
+        const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t t0 = tasks * id / team, t1 = tasks * (id + 1) / team;
+        std::vector<float> scores(2 * AMX_ROWS * Sp);
+        std::vector<uint16_t> parts(3 * AMX_ROWS * Sp);  // hi, mid, lo: [Sp / 32][AMX_ROWS][32] each
+        uint16_t *hi = parts.data(), *mid = hi + AMX_ROWS * Sp, *lo = mid + AMX_ROWS * Sp;
+        alignas(64) float shift[AMX_ROWS], sums[AMX_ROWS];
+        TileScores<DV> next;
+        auto start = [&](int64_t task) {  // the task's query rows into the tiles, its scores into its buffer
+            const int64_t bh = task / blocks;
+            next.begin(reinterpret_cast<const uint32_t*>(q + bh * S * D), (task % blocks) * AMX_ROWS, S,
+                       kb.data() + bh * (D / 2) * Sp, scores.data() + (task % 2) * AMX_ROWS * Sp);
+        };
         const specviz_amx::TileConfig config = tiles_16_by_64();
         _tile_loadconfig(&config);
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < heads * blocks; ++task) {
+        if (t0 < t1) {
+            start(t0);
+            for (int64_t j0 = 0; j0 < Sp; j0 += TILE) next.step(j0);
+        }
+        for (int64_t task = t0; task < t1; ++task) {
             const int64_t bh = task / blocks, first = (task % blocks) * AMX_ROWS, b = bh / H, h = bh % H;
-            score_rows_amx<DV>(reinterpret_cast<const uint32_t*>(q + bh * S * D), first, S,
-                               kp.data() + bh * (D / 2) * Sp, Sp, scores.data());
-            for (int64_t r = 0; r < AMX_ROWS; ++r) sums[r] = softmax_numerators(scores.data() + r * Sp, S, Sp, scale);
-            weigh_values_amx<DV>(scores.data(), Sp, vp.data() + bh * Sp * D, sums, first, S, H, h, split.data(),
-                                 out + b * S * H * D);
+            const float* mine = scores.data() + (task % 2) * AMX_ROWS * Sp;
+            row_shifts(mine, S, Sp, scale, shift);
+            if (task + 1 < t1) {
+                start(task + 1);
+                softmax_parts(mine, S, Sp, scale, shift, hi, mid, lo, sums, [&](int64_t j0) { next.step(j0); });
+            } else {
+                softmax_parts(mine, S, Sp, scale, shift, hi, mid, lo, sums, [](int64_t) {});
+            }
+            weigh_values_amx<DV>(hi, mid, lo, Sp, vp.data() + bh * Sp * D, sums, first, S, H, h, out + b * S * H * D);
         }
         _tile_release();
     }

@@ -93,9 +93,11 @@ inline __mmask16 lanes(int64_t j, int64_t S) {
 //
 // Every tile the tiles read or write is one contiguous KB (blocked layouts below): a tile of 16 rows 64 bytes apart
 // takes 16 cache lines of one or two pages, where rows a whole row of keys apart (6 KB at 1,500 keys) took 16 pages.
-// With the softmax and the split of its probabilities in one pass, and the next task's scores on the tiles while the
-// vector units work through it (softmax_parts), a layer (8 heads, 1,500 frames, D 64) took 8.36 against 9.14 ms on
-// the 2-vCPU Xeon side by side: the same numbers in the same order, the same bits.
+// The softmax and the split of its probabilities run in one pass, and the tile unit scores the next task and weighs
+// the last one's values while the vector units work through it (attention_amx's pipeline). A layer (8 heads, 1,500
+// frames, D 64) on the 2-vCPU Xeon, side by side: 9.7 → 7.9 ms (blocked layouts and one pass 0.91×, the next scores
+// meanwhile 0.95×, the 16-lane exp's 2^n by scalef 0.96×, the last values meanwhile 0.95×). The same numbers in the
+// same order: the same bits.
 constexpr int64_t AMX_ROWS = 16;  // query rows a task takes on tiles: a tile's 16 rows
 constexpr int64_t BLOCK = 16;     // keys a block: a score tile's columns
 
@@ -169,9 +171,8 @@ void row_shifts(const float* scores, int64_t S, int64_t Sp, float scale, float* 
 // bf16(p), mid = bf16(p - hi), lo = bf16 of the rest: 24 bits, all of p's), written as A tiles: part[(c · AMX_ROWS +
 // r) · 32 + j] for keys 32c + j. sums[r] = the row's sum. Row by row the operations of a softmax over a row and a
 // split of its fp32 probabilities, on the same vectors in the same order (the same bits), without the probabilities
-// written and read again. After each TILE of keys, `between(j0)`: the next task's score tiles (TileScores::step),
-// which the tile unit works through while these vector instructions run (each alone, one after the other, took
-// 1.1 and 3.2 ms of an 8.1 ms layer on the 2-vCPU Xeon).
+// written and read again. After each block b of keys, `between(b)`: tile work (attention_amx's pipeline), which the
+// tile unit works through while these vector instructions run.
 template <typename Between>
 void softmax_parts(const float* scores, int64_t S, int64_t Sp, float scale, const float* shift, uint16_t* hi,
                    uint16_t* mid, uint16_t* lo, float* sums, const Between& between) {
@@ -181,10 +182,12 @@ void softmax_parts(const float* scores, int64_t S, int64_t Sp, float scale, cons
     uint16_t* parts[3] = {hi, mid, lo};
     for (int64_t b = 0; b < Sp / BLOCK; ++b) {
         const __mmask16 keep = lanes(b * BLOCK, S);
+        const bool whole = keep == static_cast<__mmask16>(0xFFFF);  // every block but the last one or two
         const int64_t at = (b / 2) * AMX_ROWS * TILE + (b % 2) * BLOCK;  // this block's 16 keys in a row of an A tile
         for (int64_t r = 0; r < AMX_ROWS; ++r) {
             const __m512 x = _mm512_loadu_ps(scores + (b * AMX_ROWS + r) * BLOCK);
-            __m512 p = _mm512_maskz_mov_ps(keep, specviz_math::exp_nonpositive(_mm512_fmsub_ps(x, factor, _mm512_set1_ps(shift[r]))));
+            __m512 p = specviz_math::exp_nonpositive(_mm512_fmsub_ps(x, factor, _mm512_set1_ps(shift[r])));
+            if (!whole) p = _mm512_maskz_mov_ps(keep, p);
             sum[r] = _mm512_add_ps(sum[r], p);
             for (uint16_t* part : parts) {  // each part the bf16 rounding of what the parts before it left
                 const __m256bh top = _mm512_cvtneps_pbh(p);
@@ -192,7 +195,7 @@ void softmax_parts(const float* scores, int64_t S, int64_t Sp, float scale, cons
                 p = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)top), 16)));
             }
         }
-        if (b % 2) between((b / 2) * TILE);
+        between(b);
     }
     for (int64_t r = 0; r < AMX_ROWS; ++r) sums[r] = _mm512_reduce_add_ps(sum[r]);
 }
@@ -203,13 +206,23 @@ void softmax_parts(const float* scores, int64_t S, int64_t Sp, float scale, cons
 // bf16 value exact in fp32 (one bf16 probability, 8 bits, is where bf16 attention loses: specviz.speech.encoder).
 // Three times one bf16 pass's tile work (two parts measured 6% faster a layer, but 16 bits missed fp32's
 // accuracy). Output columns in groups of 4 tiles (64): the tile registers hold 4 results, a chunk's three
-// probability parts and its values.
+// probability parts and its values. `step(i)` for i in [0, steps()) in order, interleaved with work that uses no
+// tiles; the task's output rows are written at its last step.
 template <int DV>
-void weigh_values_amx(const uint16_t* hi, const uint16_t* mid, const uint16_t* lo, int64_t Sp, const uint16_t* vp,
-                      const float* sums, int64_t first, int64_t L, int64_t H, int64_t h, float* out) {
-    constexpr int64_t D = 16 * DV, GROUPS = (DV + 3) / 4, IN_GROUP = DV < 4 ? DV : 4;
+struct TileValues {
+    static constexpr int64_t D = 16 * DV, GROUPS = (DV + 3) / 4, IN_GROUP = DV < 4 ? DV : 4;
+    const uint16_t *hi, *mid, *lo, *vp;
+    int64_t Sp;
+    const float* sums;
+    float* out;  // the task's first output row, head h: row r at out + r · H · D
+    int64_t rows, H;
     alignas(64) float result[AMX_ROWS * D];
-    const int64_t b_stride = D * 4;  // bytes a key pair's 2D values
+
+    int64_t steps() const { return GROUPS * (Sp / TILE); }
+
+    void step(int64_t i) {
+        const int64_t per_group = Sp / TILE, g = i / per_group, j0 = (i % per_group) * TILE;
+        const int64_t b_stride = D * 4;  // bytes a key pair's 2D values
 // tile numbers are immediates pasted into the assembly: result tile c, its values in tile 7
 #define SPECVIZ_VALUES_TILE(c)                                                               \
     if constexpr (c < IN_GROUP) {                                                            \
@@ -220,28 +233,30 @@ void weigh_values_amx(const uint16_t* hi, const uint16_t* mid, const uint16_t* l
     }
 #define SPECVIZ_STORE_TILE(c) \
     if constexpr (c < IN_GROUP) _tile_stored(c, result + 16 * (g * 4 + (c)), D * 4);
-    for (int64_t g = 0; g < GROUPS; ++g) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t j0 = 0; j0 < Sp; j0 += TILE) {
-            const int64_t at = (j0 / TILE) * AMX_ROWS * TILE;  // the A tile of keys j0 … j0 + 31: 1 KB
-            _tile_loadd(4, hi + at, TILE * 2);
-            _tile_loadd(5, mid + at, TILE * 2);
-            _tile_loadd(6, lo + at, TILE * 2);
-            SPECVIZ_VALUES_TILE(0) SPECVIZ_VALUES_TILE(1) SPECVIZ_VALUES_TILE(2) SPECVIZ_VALUES_TILE(3)
+        if (j0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
         }
-        SPECVIZ_STORE_TILE(0) SPECVIZ_STORE_TILE(1) SPECVIZ_STORE_TILE(2) SPECVIZ_STORE_TILE(3)
-    }
+        const int64_t at = (j0 / TILE) * AMX_ROWS * TILE;  // the A tile of keys j0 … j0 + 31: 1 KB
+        _tile_loadd(4, hi + at, TILE * 2);
+        _tile_loadd(5, mid + at, TILE * 2);
+        _tile_loadd(6, lo + at, TILE * 2);
+        SPECVIZ_VALUES_TILE(0) SPECVIZ_VALUES_TILE(1) SPECVIZ_VALUES_TILE(2) SPECVIZ_VALUES_TILE(3)
+        if (j0 + TILE == Sp) {
+            SPECVIZ_STORE_TILE(0) SPECVIZ_STORE_TILE(1) SPECVIZ_STORE_TILE(2) SPECVIZ_STORE_TILE(3)
+        }
 #undef SPECVIZ_VALUES_TILE
 #undef SPECVIZ_STORE_TILE
-    for (int64_t r = 0; r < AMX_ROWS && first + r < L; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
-        float* o = out + ((first + r) * H + h) * D;
-        for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(result + r * D + 16 * c), inv));
+        if (i + 1 == steps())
+            for (int64_t r = 0; r < rows; ++r) {
+                const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
+                float* o = out + r * H * D;
+                for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(result + r * D + 16 * c), inv));
+            }
     }
-}
+};
 
 // One head's values as pairs of keys, the B operand's layout: vp[(j / 2) · 2D + 2d + j % 2] = v[j, d]; keys S..Sp-1
 // zero (their probabilities are 0 too)
@@ -320,19 +335,27 @@ void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
             pack_key_blocks(k + bh * S * D, S, Sp, D, kb.data() + bh * (D / 2) * Sp);
             pack_value_pairs(v + bh * S * D, S, Sp, D, vp.data() + bh * Sp * D);
         }
-        // this thread's tasks, in order (as schedule(static)): each task's scores come in while the one before it
-        // goes through its softmax, into the other of two buffers
+        // This thread's tasks, in order (as schedule(static)), as a pipeline: while task t goes through its softmax
+        // on the vector units, the tile unit scores task t + 1 and then weighs task t - 1's values. Buffers by
+        // task parity: scores (t + 1 written while t is read) and probabilities' parts and sums (t written while
+        // t - 1 is read).
         const int64_t team = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t t0 = tasks * id / team, t1 = tasks * (id + 1) / team;
         std::vector<float> scores(2 * AMX_ROWS * Sp);
-        std::vector<uint16_t> parts(3 * AMX_ROWS * Sp);  // hi, mid, lo: [Sp / 32][AMX_ROWS][32] each
-        uint16_t *hi = parts.data(), *mid = hi + AMX_ROWS * Sp, *lo = mid + AMX_ROWS * Sp;
-        alignas(64) float shift[AMX_ROWS], sums[AMX_ROWS];
+        std::vector<uint16_t> parts(2 * 3 * AMX_ROWS * Sp);  // by parity: hi, mid, lo, each [Sp / 32][AMX_ROWS][32]
+        alignas(64) float shift[AMX_ROWS], sums[2][AMX_ROWS];
+        auto part = [&](int64_t task, int which) { return parts.data() + ((task % 2) * 3 + which) * AMX_ROWS * Sp; };
         TileScores<DV> next;
         auto start = [&](int64_t task) {  // the task's query rows into the tiles, its scores into its buffer
             const int64_t bh = task / blocks;
             next.begin(reinterpret_cast<const uint32_t*>(q + bh * S * D), (task % blocks) * AMX_ROWS, S,
                        kb.data() + bh * (D / 2) * Sp, scores.data() + (task % 2) * AMX_ROWS * Sp);
+        };
+        auto values = [&](int64_t task) {
+            const int64_t bh = task / blocks, first = (task % blocks) * AMX_ROWS, b = bh / H, h = bh % H;
+            return TileValues<DV>{part(task, 0), part(task, 1), part(task, 2), vp.data() + bh * Sp * D, Sp,
+                                  sums[task % 2], out + ((b * S + first) * H + h) * D,
+                                  first + AMX_ROWS < S ? AMX_ROWS : S - first, H, {}};
         };
         const specviz_amx::TileConfig config = tiles_16_by_64();
         _tile_loadconfig(&config);
@@ -341,16 +364,27 @@ void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
             for (int64_t j0 = 0; j0 < Sp; j0 += TILE) next.step(j0);
         }
         for (int64_t task = t0; task < t1; ++task) {
-            const int64_t bh = task / blocks, first = (task % blocks) * AMX_ROWS, b = bh / H, h = bh % H;
-            const float* mine = scores.data() + (task % 2) * AMX_ROWS * Sp;
-            row_shifts(mine, S, Sp, scale, shift);
-            if (task + 1 < t1) {
-                start(task + 1);
-                softmax_parts(mine, S, Sp, scale, shift, hi, mid, lo, sums, [&](int64_t j0) { next.step(j0); });
-            } else {
-                softmax_parts(mine, S, Sp, scale, shift, hi, mid, lo, sums, [](int64_t) {});
-            }
-            weigh_values_amx<DV>(hi, mid, lo, Sp, vp.data() + bh * Sp * D, sums, first, S, H, h, out + b * S * H * D);
+            row_shifts(scores.data() + (task % 2) * AMX_ROWS * Sp, S, Sp, scale, shift);
+            const bool scoring = task + 1 < t1, weighing = task > t0;
+            if (scoring) start(task + 1);
+            TileValues<DV> previous = weighing ? values(task - 1) : TileValues<DV>{};
+            // the tile steps, spread evenly over the softmax's blocks: the next task's scores, then the last one's values
+            const int64_t n_scores = scoring ? Sp / TILE : 0, n_steps = n_scores + (weighing ? previous.steps() : 0);
+            const int64_t n_blocks = Sp / BLOCK;
+            int64_t done = 0;
+            softmax_parts(scores.data() + (task % 2) * AMX_ROWS * Sp, S, Sp, scale, shift, part(task, 0),
+                          part(task, 1), part(task, 2), sums[task % 2], [&](int64_t b) {
+                              for (const int64_t due = n_steps * (b + 1) / n_blocks; done < due; ++done) {
+                                  if (done < n_scores)
+                                      next.step(done * TILE);
+                                  else
+                                      previous.step(done - n_scores);
+                              }
+                          });
+        }
+        if (t0 < t1) {
+            TileValues<DV> last = values(t1 - 1);
+            for (int64_t i = 0; i < last.steps(); ++i) last.step(i);
         }
         _tile_release();
     }

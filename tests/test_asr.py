@@ -469,7 +469,7 @@ def test_bf16_encoder_attention_runs_on_the_kernel_as_fp32_sdpa_would(monkeypatc
     q, k, v = (torch.randn(1, 2, 1500, 64, generator=g).bfloat16() for _ in range(3))
     calls = []
     real = cpu_kernels.bf16_attention
-    monkeypatch.setattr(cpu_kernels, "bf16_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "bf16_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.inference_mode():
         on_kernel, _ = encoder._fp32_attention(attention, q, k, v, None, scaling=1.0)
         features = _features(2, seed=5)

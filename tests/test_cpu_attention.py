@@ -216,3 +216,22 @@ def test_bf16_attention_refuses_what_it_is_not_built_for():
         cpu_kernels.bf16_attention(q, k[:, :, :4].contiguous(), v, 1.0)
     with pytest.raises(ValueError, match="width"):
         cpu_kernels.bf16_attention(*(x[..., :48].contiguous() for x in (q, k, v)), 1.0)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_kernels.bf16_attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3), 1.0)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        cpu_kernels.bf16_attention(q, k, v, 1.0, out_dtype=torch.float16)
+
+
+@bf16_kernel
+@pytest.mark.parametrize("B, H, S, D", [(2, 8, 300, 64), (1, 2, 37, 128), (2, 3, 5, 32)])
+def test_bf16_attention_reads_heads_in_place_and_rounds_its_output_as_torch(B, H, S, D):
+    """A linear layer's [B, S, H·D] output seen as [B, H, S, D] heads (strided) gives the bits of its contiguous copy,
+    and a bf16 output is the fp32 output rounded as .to(torch.bfloat16) rounds it."""
+    g = torch.Generator().manual_seed(S)
+    rows = [torch.randn(B, S, H * D, generator=g).bfloat16() for _ in range(3)]
+    heads = [x.view(B, S, H, D).transpose(1, 2) for x in rows]  # strides (S·H·D, D, H·D, 1)
+    assert not heads[0].is_contiguous()
+    contiguous = cpu_kernels.bf16_attention(*(x.contiguous() for x in heads), 0.125)
+    assert torch.equal(cpu_kernels.bf16_attention(*heads, 0.125), contiguous)
+    rounded = cpu_kernels.bf16_attention(*heads, 0.125, out_dtype=torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, contiguous.to(torch.bfloat16))

@@ -13,8 +13,9 @@
 // heads of 1,500 frames), 0.05% of the outputs rounded to bf16 the other way; a layer 13.6 → 10.2 ms on the 2-vCPU
 // Xeon (D 128: 0.45×).
 //
-// Layouts: q, k, v [B, H, S, D] bf16 (uint16 bits) contiguous, out [B, S, H, D] fp32 (transformers' attention
-// output layout). D 32, 64 or 128. Each (sequence, head, block of rows) is one task: a row's output depends only on
+// Layouts: q, k, v [B, H, S, D] bf16 (uint16 bits), rows of D contiguous, batch, head and row strided (Heads: a
+// projection's [B, S, H·D] output read in place); out [B, S, H, D] (transformers' attention output layout), fp32 or
+// bf16. D 32, 64 or 128. Each (sequence, head, block of rows) is one task: a row's output depends only on
 // its own query and its sequence's keys and values, never on the other sequences in the call.
 // Built with the other kernels into one library (specviz.native).
 
@@ -22,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#include <type_traits>
 #include <vector>
 #if defined(__AMX_BF16__) && defined(__linux__)
 #include "amx.h"
@@ -40,22 +42,34 @@ constexpr int64_t TILE = 32;  // keys per score tile: two vectors of 16
 
 inline __m512bh as_bf16(__m512i x) { return (__m512bh)x; }
 
+// A [B, H, S, D] bf16 tensor whose rows (D elements) are contiguous, the rest strided (in elements): the layout a
+// linear layer's [B, S, H·D] output has seen as heads, read in place (no transposed copy).
+struct Heads {
+    const uint16_t* base;
+    int64_t b, h, s;  // strides of the batch, head and row dimensions
+    const uint16_t* head(int64_t bh, int64_t H) const { return base + (bh / H) * b + (bh % H) * h; }
+};
+
+// An output row's 16 numbers, fp32 or rounded to bf16 (to nearest, ties to even: torch's conversion of the fp32 row)
+inline void store16(float* o, __m512 x) { _mm512_storeu_ps(o, x); }
+inline void store16(uint16_t* o, __m512 x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(x)); }
+
 // One head's keys as pairs of dimensions: kp[p * Sp + j] = (k[j, 2p], k[j, 2p + 1]), so one load gives 16 keys'
 // pair p, the operand order of the bf16 dot product; keys S..Sp are zero (their scores are never read).
-void pack_keys(const uint16_t* k, int64_t S, int64_t Sp, int64_t D, uint32_t* kp) {
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(k);  // [S, D / 2]
+void pack_keys(const uint16_t* k, int64_t stride, int64_t S, int64_t Sp, int64_t D, uint32_t* kp) {
     for (int64_t p = 0; p < D / 2; ++p) {
         uint32_t* row = kp + p * Sp;
-        for (int64_t j = 0; j < S; ++j) row[j] = pairs[j * (D / 2) + p];
+        for (int64_t j = 0; j < S; ++j) row[j] = reinterpret_cast<const uint32_t*>(k + j * stride)[p];
         for (int64_t j = S; j < Sp; ++j) row[j] = 0;
     }
 }
 
 // scores[r, j] = q[row r] · k[j] for ROWS rows (rows past the last repeat it: computed, never written out)
-void score_rows(const uint32_t* q, int64_t first, int64_t L, const uint32_t* kp, int64_t Sp, int64_t D,
-                float* scores) {
+void score_rows(const uint16_t* q, int64_t stride, int64_t first, int64_t L, const uint32_t* kp, int64_t Sp,
+                int64_t D, float* scores) {
     const uint32_t* rowq[ROWS];
-    for (int64_t r = 0; r < ROWS; ++r) rowq[r] = q + (first + r < L ? first + r : L - 1) * (D / 2);
+    for (int64_t r = 0; r < ROWS; ++r)
+        rowq[r] = reinterpret_cast<const uint32_t*>(q + (first + r < L ? first + r : L - 1) * stride);
     for (int64_t j0 = 0; j0 < Sp; j0 += TILE) {
         __m512 acc[ROWS][2];
         for (int64_t r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -103,14 +117,13 @@ constexpr int64_t BLOCK = 16;     // keys a block: a score tile's columns
 
 // One head's keys as B tiles: block kb (keys 16kb … 16kb + 15), pair p: kb[(kb · D/2 + p) · 16 + j] = (k[16kb + j, 2p],
 // k[16kb + j, 2p + 1]); the 16 pairs of a 32-dimension chunk of a block are one contiguous tile. Keys S..Sp zero.
-void pack_key_blocks(const uint16_t* k, int64_t S, int64_t Sp, int64_t D, uint32_t* kb) {
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(k);  // [S, D / 2]
+void pack_key_blocks(const uint16_t* k, int64_t stride, int64_t S, int64_t Sp, int64_t D, uint32_t* kb) {
     for (int64_t b = 0; b < Sp / BLOCK; ++b)
         for (int64_t p = 0; p < D / 2; ++p) {
             uint32_t* row = kb + (b * (D / 2) + p) * BLOCK;
             for (int64_t j = 0; j < BLOCK; ++j) {
                 const int64_t key = b * BLOCK + j;
-                row[j] = key < S ? pairs[key * (D / 2) + p] : 0;
+                row[j] = key < S ? reinterpret_cast<const uint32_t*>(k + key * stride)[p] : 0;
             }
         }
 }
@@ -125,11 +138,11 @@ struct TileScores {
     float* scores = nullptr;
     alignas(64) uint32_t rows[AMX_ROWS * (D / 2)];  // the task's query rows, the last repeated past L (as score_rows)
 
-    void begin(const uint32_t* q, int64_t first, int64_t L, const uint32_t* keys, float* out) {
+    void begin(const uint16_t* q, int64_t stride, int64_t first, int64_t L, const uint32_t* keys, float* out) {
         kb = keys;
         scores = out;
         for (int64_t r = 0; r < AMX_ROWS; ++r)
-            memcpy(rows + r * (D / 2), q + (first + r < L ? first + r : L - 1) * (D / 2), D * 2);
+            memcpy(rows + r * (D / 2), q + (first + r < L ? first + r : L - 1) * stride, D * 2);
         // tile numbers are immediates (gcc pastes them into the assembly): A's 32-dimension chunks in tmm4 …, keys'
         // B tiles in tmm2 / tmm3, the two 16-key blocks of a TILE's scores in tmm0 / tmm1
         _tile_loadd(4, rows, D * 2);
@@ -208,13 +221,13 @@ void softmax_parts(const float* scores, int64_t S, int64_t Sp, float scale, cons
 // accuracy). Output columns in groups of 4 tiles (64): the tile registers hold 4 results, a chunk's three
 // probability parts and its values. `step(i)` for i in [0, steps()) in order, interleaved with work that uses no
 // tiles; the task's output rows are written at its last step.
-template <int DV>
+template <int DV, typename Out>
 struct TileValues {
     static constexpr int64_t D = 16 * DV, GROUPS = (DV + 3) / 4, IN_GROUP = DV < 4 ? DV : 4;
     const uint16_t *hi, *mid, *lo, *vp;
     int64_t Sp;
     const float* sums;
-    float* out;  // the task's first output row, head h: row r at out + r · H · D
+    Out* out;  // the task's first output row, head h: row r at out + r · H · D
     int64_t rows, H;
     alignas(64) float result[AMX_ROWS * D];
 
@@ -252,19 +265,19 @@ struct TileValues {
         if (i + 1 == steps())
             for (int64_t r = 0; r < rows; ++r) {
                 const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
-                float* o = out + r * H * D;
-                for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(result + r * D + 16 * c), inv));
+                Out* o = out + r * H * D;
+                for (int c = 0; c < DV; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(result + r * D + 16 * c), inv));
             }
     }
 };
 
 // One head's values as pairs of keys, the B operand's layout: vp[(j / 2) · 2D + 2d + j % 2] = v[j, d]; keys S..Sp-1
 // zero (their probabilities are 0 too)
-void pack_value_pairs(const uint16_t* v, int64_t S, int64_t Sp, int64_t D, uint16_t* vp) {
+void pack_value_pairs(const uint16_t* v, int64_t stride, int64_t S, int64_t Sp, int64_t D, uint16_t* vp) {
     uint32_t* pairs = reinterpret_cast<uint32_t*>(vp);  // [Sp / 2, D]
     for (int64_t j = 0; j < Sp; j += 2)
         for (int64_t d = 0; d < D; ++d) {
-            const uint32_t even = j < S ? v[j * D + d] : 0, odd = j + 1 < S ? v[(j + 1) * D + d] : 0;
+            const uint32_t even = j < S ? v[j * stride + d] : 0, odd = j + 1 < S ? v[(j + 1) * stride + d] : 0;
             pairs[(j / 2) * D + d] = even | (odd << 16);
         }
 }
@@ -294,9 +307,9 @@ float softmax_numerators(float* s, int64_t S, int64_t Sp, float scale) {
 
 // out rows += probabilities · values, RP rows at a time (RP · DV = 24 accumulators, each value vector loaded
 // once for RP rows), then scaled by 1 / sum
-template <int DV>
+template <int DV, typename Out>
 void weigh_values(const float* probs, int64_t Sp, const float* vf, int64_t S, const float* sums, int64_t first,
-                  int64_t L, int64_t H, int64_t h, float* out) {
+                  int64_t L, int64_t H, int64_t h, Out* out) {
     constexpr int64_t D = 16 * DV, RP = 24 / DV;
     for (int64_t r0 = 0; r0 < ROWS && first + r0 < L; r0 += RP) {
         __m512 acc[RP][DV];
@@ -312,17 +325,16 @@ void weigh_values(const float* probs, int64_t Sp, const float* vf, int64_t S, co
         }
         for (int64_t r = 0; r < RP && first + r0 + r < L; ++r) {
             const __m512 inv = _mm512_set1_ps(1.0f / sums[r0 + r]);
-            float* o = out + ((first + r0 + r) * H + h) * D;
-            for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+            Out* o = out + ((first + r0 + r) * H + h) * D;
+            for (int c = 0; c < DV; ++c) store16(o + 16 * c, _mm512_mul_ps(acc[r][c], inv));
         }
     }
 }
 
 #ifdef SPECVIZ_ENCODER_AMX
 // attention() on tiles: scores and probabilities · values, AMX_ROWS query rows a task
-template <int DV>
-void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t H, int64_t S, float scale,
-                   float* out, int nthreads) {
+template <int DV, typename Out>
+void attention_amx(Heads q, Heads k, Heads v, int64_t B, int64_t H, int64_t S, float scale, Out* out, int nthreads) {
     constexpr int64_t D = 16 * DV;
     const int64_t Sp = (S + TILE - 1) / TILE * TILE, heads = B * H, blocks = (S + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t tasks = heads * blocks;
@@ -332,8 +344,8 @@ void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
     {
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < heads; ++bh) {
-            pack_key_blocks(k + bh * S * D, S, Sp, D, kb.data() + bh * (D / 2) * Sp);
-            pack_value_pairs(v + bh * S * D, S, Sp, D, vp.data() + bh * Sp * D);
+            pack_key_blocks(k.head(bh, H), k.s, S, Sp, D, kb.data() + bh * (D / 2) * Sp);
+            pack_value_pairs(v.head(bh, H), v.s, S, Sp, D, vp.data() + bh * Sp * D);
         }
         // This thread's tasks, in order (as schedule(static)), as a pipeline: while task t goes through its softmax
         // on the vector units, the tile unit scores task t + 1 and then weighs task t - 1's values. Buffers by
@@ -348,12 +360,12 @@ void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
         TileScores<DV> next;
         auto start = [&](int64_t task) {  // the task's query rows into the tiles, its scores into its buffer
             const int64_t bh = task / blocks;
-            next.begin(reinterpret_cast<const uint32_t*>(q + bh * S * D), (task % blocks) * AMX_ROWS, S,
-                       kb.data() + bh * (D / 2) * Sp, scores.data() + (task % 2) * AMX_ROWS * Sp);
+            next.begin(q.head(bh, H), q.s, (task % blocks) * AMX_ROWS, S, kb.data() + bh * (D / 2) * Sp,
+                       scores.data() + (task % 2) * AMX_ROWS * Sp);
         };
         auto values = [&](int64_t task) {
             const int64_t bh = task / blocks, first = (task % blocks) * AMX_ROWS, b = bh / H, h = bh % H;
-            return TileValues<DV>{part(task, 0), part(task, 1), part(task, 2), vp.data() + bh * Sp * D, Sp,
+            return TileValues<DV, Out>{part(task, 0), part(task, 1), part(task, 2), vp.data() + bh * Sp * D, Sp,
                                   sums[task % 2], out + ((b * S + first) * H + h) * D,
                                   first + AMX_ROWS < S ? AMX_ROWS : S - first, H, {}};
         };
@@ -367,7 +379,7 @@ void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
             row_shifts(scores.data() + (task % 2) * AMX_ROWS * Sp, S, Sp, scale, shift);
             const bool scoring = task + 1 < t1, weighing = task > t0;
             if (scoring) start(task + 1);
-            TileValues<DV> previous = weighing ? values(task - 1) : TileValues<DV>{};
+            TileValues<DV, Out> previous = weighing ? values(task - 1) : TileValues<DV, Out>{};
             // the tile steps, spread evenly over the softmax's blocks: the next task's scores, then the last one's values
             const int64_t n_scores = scoring ? Sp / TILE : 0, n_steps = n_scores + (weighing ? previous.steps() : 0);
             const int64_t n_blocks = Sp / BLOCK;
@@ -383,7 +395,7 @@ void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
                           });
         }
         if (t0 < t1) {
-            TileValues<DV> last = values(t1 - 1);
+            TileValues<DV, Out> last = values(t1 - 1);
             for (int64_t i = 0; i < last.steps(); ++i) last.step(i);
         }
         _tile_release();
@@ -391,11 +403,10 @@ void attention_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
 }
 #endif
 
-template <int DV>
-void attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t H, int64_t S, float scale,
-               float* out, int nthreads) {
+template <int DV, typename Out>
+void attention(Heads q, Heads k, Heads v, int64_t B, int64_t H, int64_t S, float scale, Out* out, int nthreads) {
 #ifdef SPECVIZ_ENCODER_AMX
-    if (specviz_amx::permitted()) return attention_amx<DV>(q, k, v, B, H, S, scale, out, nthreads);
+    if (specviz_amx::permitted()) return attention_amx<DV, Out>(q, k, v, B, H, S, scale, out, nthreads);
 #endif
     constexpr int64_t D = 16 * DV;
     const int64_t Sp = (S + TILE - 1) / TILE * TILE, heads = B * H, blocks = (S + ROWS - 1) / ROWS;
@@ -405,23 +416,23 @@ void attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t 
     {
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < heads; ++bh) {
-            pack_keys(k + bh * S * D, S, Sp, D, kp.data() + bh * (D / 2) * Sp);
-            const uint16_t* src = v + bh * S * D;
+            pack_keys(k.head(bh, H), k.s, S, Sp, D, kp.data() + bh * (D / 2) * Sp);
+            const uint16_t* src = v.head(bh, H);
             float* dst = vf.data() + bh * S * D;
-            for (int64_t i = 0; i < S * D; ++i) {  // bf16 -> fp32: the bits, shifted
-                const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-                memcpy(dst + i, &bits, 4);
-            }
+            for (int64_t j = 0; j < S; ++j)
+                for (int64_t d = 0; d < D; ++d) {  // bf16 -> fp32: the bits, shifted
+                    const uint32_t bits = static_cast<uint32_t>(src[j * v.s + d]) << 16;
+                    memcpy(dst + j * D + d, &bits, 4);
+                }
         }
         std::vector<float> scores(ROWS * Sp);
         float sums[ROWS];
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * blocks; ++task) {
             const int64_t bh = task / blocks, first = (task % blocks) * ROWS, b = bh / H, h = bh % H;
-            score_rows(reinterpret_cast<const uint32_t*>(q + bh * S * D), first, S, kp.data() + bh * (D / 2) * Sp, Sp,
-                       D, scores.data());
+            score_rows(q.head(bh, H), q.s, first, S, kp.data() + bh * (D / 2) * Sp, Sp, D, scores.data());
             for (int64_t r = 0; r < ROWS; ++r) sums[r] = softmax_numerators(scores.data() + r * Sp, S, Sp, scale);
-            weigh_values<DV>(scores.data(), Sp, vf.data() + bh * S * D, S, sums, first, S, H, h, out + b * S * H * D);
+            weigh_values<DV, Out>(scores.data(), Sp, vf.data() + bh * S * D, S, sums, first, S, H, h, out + b * S * H * D);
         }
     }
 }
@@ -439,18 +450,27 @@ int specviz_has_bf16_attention() {
 #endif
 }
 
-// 0 on success; 1 where this build has no such kernel or D is not 32, 64 or 128 (the caller keeps torch's)
-int specviz_bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t H, int64_t S,
-                           int64_t D, float scale, float* out, int nthreads) {
+// 0 on success; 1 where this build has no such kernel or D is not 32, 64 or 128 (the caller keeps torch's).
+// q, k, v [B, H, S, D] bf16 with contiguous rows, strides (in elements) of their batch, head and row dimensions in
+// qs, ks, vs [3]; out [B, S, H, D] contiguous, fp32, or bf16 where out_bf16 (each number the fp32 one rounded).
+int specviz_bf16_attention(const uint16_t* q, const int64_t* qs, const uint16_t* k, const int64_t* ks,
+                           const uint16_t* v, const int64_t* vs, int64_t B, int64_t H, int64_t S, int64_t D,
+                           float scale, void* out, int out_bf16, int nthreads) {
 #ifdef SPECVIZ_BF16_ATTENTION
-    switch (D) {
-        case 32: attention<2>(q, k, v, B, H, S, scale, out, nthreads); return 0;
-        case 64: attention<4>(q, k, v, B, H, S, scale, out, nthreads); return 0;
-        case 128: attention<8>(q, k, v, B, H, S, scale, out, nthreads); return 0;
-        default: return 1;
-    }
+    const Heads hq{q, qs[0], qs[1], qs[2]}, hk{k, ks[0], ks[1], ks[2]}, hv{v, vs[0], vs[1], vs[2]};
+    auto run = [&](auto* o) {
+        using Out = std::remove_pointer_t<decltype(o)>;
+        switch (D) {
+            case 32: attention<2, Out>(hq, hk, hv, B, H, S, scale, o, nthreads); return 0;
+            case 64: attention<4, Out>(hq, hk, hv, B, H, S, scale, o, nthreads); return 0;
+            case 128: attention<8, Out>(hq, hk, hv, B, H, S, scale, o, nthreads); return 0;
+            default: return 1;
+        }
+    };
+    return out_bf16 ? run(static_cast<uint16_t*>(out)) : run(static_cast<float*>(out));
 #else
-    (void)q; (void)k; (void)v; (void)B; (void)H; (void)S; (void)D; (void)scale; (void)out; (void)nthreads;
+    (void)q; (void)qs; (void)k; (void)ks; (void)v; (void)vs; (void)B; (void)H; (void)S; (void)D; (void)scale;
+    (void)out; (void)out_bf16; (void)nthreads;
     return 1;
 #endif
 }

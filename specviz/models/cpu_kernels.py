@@ -4,6 +4,8 @@ the batch-invariant attention, called through ctypes on the library specviz.nati
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from specviz import native
@@ -248,19 +250,26 @@ def has_bf16_attention() -> bool:
     return available() and bool(library().specviz_has_bf16_attention())
 
 
-def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q, k, v [B, H, S, D] bf16 contiguous, every row attending to every key -> out [B, S, H, D] fp32: q · k
-    as bf16 dot products (each product exact, fp32 sums), softmax and probabilities · values in fp32; each
-    (sequence, head) on its own (kernels/cpu/encoder_attention_cpu.cpp). Only where has_bf16_attention()."""
+def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q, k, v [B, H, S, D] bf16, each row of D contiguous (a linear layer's [B, S, H·D] output seen as heads is read
+    in place), every row attending to every key -> out [B, S, H, D] in out_dtype (fp32, or bf16: the fp32 result
+    rounded to nearest even, as .to(torch.bfloat16) rounds it): q · k as bf16 dot products (each product exact,
+    fp32 sums), softmax and probabilities · values in fp32; each (sequence, head) on its own
+    (kernels/cpu/encoder_attention_cpu.cpp). Only where has_bf16_attention()."""
     B, H, S, D = q.shape
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"bf16_attention: q, k, v must be bf16 of one shape, got {q.dtype} {tuple(q.shape)}, "
                          f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
-    if D not in BF16_HEAD_DIMS or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        raise ValueError(f"bf16_attention: contiguous heads of width {BF16_HEAD_DIMS}, got {D}")
-    out = torch.empty((B, S, H, D), dtype=torch.float32)
-    if library().specviz_bf16_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, S, D, scale,
-                                        out.data_ptr(), torch.get_num_threads()):
+    if D not in BF16_HEAD_DIMS or any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError(f"bf16_attention: heads of width {BF16_HEAD_DIMS} with contiguous rows, got {D}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"bf16_attention: the output is fp32 or bf16, not {out_dtype}")
+    strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (q, k, v)]
+    out = torch.empty((B, S, H, D), dtype=out_dtype)
+    if library().specviz_bf16_attention(q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
+                                        B, H, S, D, scale, out.data_ptr(), int(out_dtype == torch.bfloat16),
+                                        torch.get_num_threads()):
         raise RuntimeError("this build of the CPU kernels has no bf16 attention")
     return out
 

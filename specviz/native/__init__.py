@@ -138,7 +138,8 @@ def _load(sources: list[Path] | None = None, digest: str | None = None) -> ctype
                                           ptr, cint]
         lib.specviz_attention_f16kv.argtypes = lib.specviz_attention.argtypes
         functions += [lib.specviz_attention, lib.specviz_attention_f16kv]
-    lib.specviz_bf16_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, cint]
+    lib.specviz_bf16_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr,
+                                           cint, cint]
     lib.specviz_bf16_attention.restype = cint
     if lib.specviz_has_a8():
         lib.specviz_int8_peak.argtypes = [i64, cint]

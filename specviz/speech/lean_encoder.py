@@ -89,9 +89,10 @@ class LeanWhisperEncoder:
         for w in self.layers:
             shape = (B, frames, w.heads, -1)
             x = layer_norm(hidden, w.layer.self_attn_layer_norm).to(products)
-            q = (F.linear(x, *w.q) * w.scaling).view(shape).transpose(1, 2).contiguous()  # [B, H, frames, D]
-            k = F.linear(x, *w.k).view(shape).transpose(1, 2).contiguous()
-            v = F.linear(x, *w.v).view(shape).transpose(1, 2).contiguous()
+            # [B, H, frames, D] views of the projections' [B, frames, H·D]: the attention reads them in place
+            q = (F.linear(x, *w.q) * w.scaling).view(shape).transpose(1, 2)
+            k = F.linear(x, *w.k).view(shape).transpose(1, 2)
+            v = F.linear(x, *w.v).view(shape).transpose(1, 2)
             out, _ = self.attention(w.attention, q, k, v, None, dropout=0.0, scaling=1.0)  # [B, frames, H, D]
             hidden = hidden + F.linear(out.reshape(B, frames, -1).contiguous().to(products), *w.out).to(residual)
             x = layer_norm(hidden, w.layer.final_layer_norm).to(products)

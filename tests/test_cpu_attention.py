@@ -179,6 +179,23 @@ def test_a_cache_buffers_view_is_read_in_place_with_the_same_bits():
 bf16_kernel = pytest.mark.skipif(not cpu_kernels.has_bf16_attention(), reason="the bf16 attention needs AVX-512 BF16")
 
 
+@pytest.fixture(params=["tiles", "vectors"])
+def bf16_path(request):
+    """Each bf16 attention test on both of the kernel's paths where this machine has AMX (its tiles, and the
+    AVX-512 BF16 one a Zen 4 runs); where it has none, on the vector path only."""
+    before = cpu_kernels.bf16_attention_tiles()
+    if before is None:
+        if request.param == "tiles":
+            pytest.skip("no AMX tiles here")
+        yield request.param
+        return
+    cpu_kernels.bf16_attention_tiles(request.param == "tiles")
+    try:
+        yield request.param
+    finally:
+        cpu_kernels.bf16_attention_tiles(before)
+
+
 def _bf16_qkv(B: int, H: int, S: int, D: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(B, H, S, D, generator=g).bfloat16() for _ in range(3)]
@@ -187,7 +204,7 @@ def _bf16_qkv(B: int, H: int, S: int, D: int, seed: int) -> list[torch.Tensor]:
 @bf16_kernel
 @pytest.mark.parametrize("B, H, S, D", [(1, 8, 1500, 64), (2, 3, 37, 64), (1, 2, 5, 32), (2, 2, 50, 128),
                                         (1, 1, 1, 64)])
-def test_bf16_attention_is_fp32_attention_on_the_same_numbers(B, H, S, D):
+def test_bf16_attention_is_fp32_attention_on_the_same_numbers(B, H, S, D, bf16_path):
     """Tails of the 12-row and 32-key tiles included (37, 5, 50, 1): against float64 on the bf16 numbers."""
     q, k, v = _bf16_qkv(B, H, S, D, seed=S + D)
     out = cpu_kernels.bf16_attention(q, k, v, 0.3)
@@ -199,7 +216,7 @@ def test_bf16_attention_is_fp32_attention_on_the_same_numbers(B, H, S, D):
 
 
 @bf16_kernel
-def test_bf16_attention_gives_a_sequence_the_same_bits_in_any_batch():
+def test_bf16_attention_gives_a_sequence_the_same_bits_in_any_batch(bf16_path):
     q, k, v = _bf16_qkv(3, 4, 301, 64, seed=5)
     together = cpu_kernels.bf16_attention(q, k, v, 1.0)
     for b in range(3):
@@ -224,7 +241,7 @@ def test_bf16_attention_refuses_what_it_is_not_built_for():
 
 @bf16_kernel
 @pytest.mark.parametrize("B, H, S, D", [(2, 8, 300, 64), (1, 2, 37, 128), (2, 3, 5, 32)])
-def test_bf16_attention_reads_heads_in_place_and_rounds_its_output_as_torch(B, H, S, D):
+def test_bf16_attention_reads_heads_in_place_and_rounds_its_output_as_torch(B, H, S, D, bf16_path):
     """A linear layer's [B, S, H·D] output seen as [B, H, S, D] heads (strided) gives the bits of its contiguous copy,
     and a bf16 output is the fp32 output rounded as .to(torch.bfloat16) rounds it."""
     g = torch.Generator().manual_seed(S)

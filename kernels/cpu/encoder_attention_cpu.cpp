@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 #if defined(__AMX_BF16__) && defined(__linux__)
@@ -113,6 +114,9 @@ inline __mmask16 lanes(int64_t j, int64_t S) {
 // meanwhile 0.95×, the 16-lane exp's 2^n by scalef 0.96×, the last values meanwhile 0.95×). The same numbers in the
 // same order: the same bits.
 constexpr int64_t AMX_ROWS = 16;  // query rows a task takes on tiles: a tile's 16 rows
+// Whether attention() takes the tiles where it may; only tests switch it off (specviz_encoder_attention_tiles), so
+// that the AVX-512 BF16 path the Zen 4 runs is tested on machines with AMX too. Atomic: sessions call from threads.
+std::atomic<bool> use_tiles{true};
 constexpr int64_t BLOCK = 16;     // keys a block: a score tile's columns
 
 // One head's keys as B tiles: block kb (keys 16kb … 16kb + 15), pair p: kb[(kb · D/2 + p) · 16 + j] = (k[16kb + j, 2p],
@@ -406,7 +410,8 @@ void attention_amx(Heads q, Heads k, Heads v, int64_t B, int64_t H, int64_t S, f
 template <int DV, typename Out>
 void attention(Heads q, Heads k, Heads v, int64_t B, int64_t H, int64_t S, float scale, Out* out, int nthreads) {
 #ifdef SPECVIZ_ENCODER_AMX
-    if (specviz_amx::permitted()) return attention_amx<DV, Out>(q, k, v, B, H, S, scale, out, nthreads);
+    if (use_tiles.load(std::memory_order_relaxed) && specviz_amx::permitted())
+        return attention_amx<DV, Out>(q, k, v, B, H, S, scale, out, nthreads);
 #endif
     constexpr int64_t D = 16 * DV;
     const int64_t Sp = (S + TILE - 1) / TILE * TILE, heads = B * H, blocks = (S + ROWS - 1) / ROWS;
@@ -447,6 +452,18 @@ int specviz_has_bf16_attention() {
     return 1;
 #else
     return 0;
+#endif
+}
+
+// Whether the bf16 attention takes AMX's tiles: -1 where this build or process has none; else the setting before,
+// set to `on` unless it is -1 (tests only: both paths on one machine).
+int specviz_encoder_attention_tiles(int on) {
+#ifdef SPECVIZ_ENCODER_AMX
+    if (!specviz_amx::permitted()) return -1;
+    return on >= 0 ? use_tiles.exchange(on != 0) : use_tiles.load();
+#else
+    (void)on;
+    return -1;
 #endif
 }
 

@@ -274,6 +274,15 @@ def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out
 
 
+def bf16_attention_tiles(on: bool | None = None) -> bool | None:
+    """Whether bf16_attention takes AMX's tiles (with `on`: set it, returning the setting before); None where this
+    machine, build or process has no AMX (its AVX-512 BF16 path runs every call). Tests switch it to run both paths."""
+    if not has_bf16_attention():
+        return None
+    before = library().specviz_encoder_attention_tiles(-1 if on is None else int(on))
+    return None if before < 0 else bool(before)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sees: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, L, D] contiguous, k and v [B, Hkv, S, D] fp32 (or both fp16: the bits their fp32 copies would
     give, from half the bytes), each contiguous or the first S positions of a contiguous buffer (H a multiple of

@@ -141,6 +141,8 @@ def _load(sources: list[Path] | None = None, digest: str | None = None) -> ctype
     lib.specviz_bf16_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr,
                                            cint, cint]
     lib.specviz_bf16_attention.restype = cint
+    lib.specviz_encoder_attention_tiles.argtypes = [cint]
+    lib.specviz_encoder_attention_tiles.restype = cint
     if lib.specviz_has_a8():
         lib.specviz_int8_peak.argtypes = [i64, cint]
         lib.specviz_int8_peak.restype = ctypes.c_double

@@ -42,7 +42,8 @@ def step_costs(model, vocab: int, prompt: list[int], tokens: list[int], repeat: 
         seconds = _median_us(step, warmup, repeat) / 1e6
         # a second pass, timed inside: how much of a step the matmuls take (module hooks on the linear layers
         # called from Python; the native layers' own stage clocks for the rest)
-        with linear_time(model, [] if head is None else [head.linear]) as linear, native_forward.stage_seconds() as stages:
+        beside = [] if head is None else [head.linear]  # a reduced head is called beside the model, not in it
+        with linear_time(model, beside) as linear, native_forward.stage_seconds() as stages:
             t0 = time.perf_counter()
             for _ in range(repeat):
                 step()

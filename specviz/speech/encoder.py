@@ -80,7 +80,7 @@ def _fp32_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
             and cpu_kernels.has_bf16_attention()):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # heads as the projections laid them out (read in place) and the output rounded to bf16 by the kernel: no
-        # transposed copies and no fp32 output to convert (~1 ms a layer on the 2-vCPU Xeon), the same bits
+        # transposed copies and no fp32 output to convert (three copies and a conversion a layer), the same bits
         heads = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value)]
         return cpu_kernels.bf16_attention(*heads, scale, out_dtype=query.dtype), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
